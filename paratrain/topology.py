@@ -1,0 +1,236 @@
+"""Where this process sits in the job: environment → `Topology`, the default group, named groups.
+
+One `Topology` is read from whichever launcher started the process:
+
+- torchrun / `paratrain run` (and `torch.distributed.elastic`): RANK, WORLD_SIZE, LOCAL_RANK,
+  LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT;
+- SLURM `srun`: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, SLURM_NNODES,
+  SLURM_JOB_NODELIST (the first host is the master unless MASTER_ADDR is set);
+- `torch.multiprocessing.spawn`: the caller passes `rank=` and `world_size=`;
+- nothing at all: one process, rank 0 of a world of 1, which runs the same code path as N ranks.
+
+Process groups are sliced from one rank grid, `arange(world).view(nodes, local_world)` (as
+picotron slices every group from one grid): rows are intra-node groups, columns inter-node ones.
+Every rank creates every group, in the same order, because `new_group` is collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from paratrain.errors import ConfigError
+
+DEFAULT_TIMEOUT_S = 600.0  # every collective gives up after this; PARATRAIN_TIMEOUT overrides it
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process's place in the job. Build it with `Topology.from_env()`."""
+
+    rank: int  # global rank, 0 … world_size-1
+    local_rank: int  # rank inside this node; also the index of this process's GPU
+    world_size: int  # processes on all nodes
+    local_world_size: int  # processes on this node (the same on every node)
+    node_rank: int  # which node, 0 … num_nodes-1
+    num_nodes: int
+    backend: str  # "nccl" for CUDA tensors, "gloo" for CPU tensors
+    device: torch.device  # cuda:LOCAL_RANK under nccl, else cpu
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: not known yet (a single process picks a free port at init)
+    launcher: str = "single"  # torchrun | slurm | spawn | single
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0: the rank that prints, logs and writes single files."""
+        return self.rank == 0
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        local_world_size: int | None = None,
+        backend: str | None = None,
+    ) -> "Topology":
+        """Read the launcher's environment; `rank`/`world_size` are for `mp.spawn`-style starts."""
+        env = os.environ if env is None else env
+        if rank is not None or world_size is not None:
+            fields = _from_spawn(env, rank, world_size, local_world_size)
+        elif "RANK" in env and "WORLD_SIZE" in env:
+            fields = _from_torchrun(env)
+        elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            fields = _from_slurm(env)
+        else:
+            fields = dict(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
+                          num_nodes=1, launcher="single")
+            fields["master_addr"] = env.get("MASTER_ADDR", "127.0.0.1")
+            fields["master_port"] = int(env.get("MASTER_PORT", 0))
+        _validate(fields)
+        backend, device = pick_backend(backend or env.get("PARATRAIN_BACKEND"), fields["local_rank"])
+        return cls(backend=backend, device=device, **fields)
+
+    def init(self, timeout: float | None = None) -> "Topology":
+        """Create the default process group (idempotent). `timeout` in seconds bounds every collective."""
+        if dist.is_initialized():
+            return self
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        port = self.master_port or _free_port()
+        if self.launcher == "torchrun":
+            init_method = "env://"  # lets the elastic agent hand us its store
+        else:
+            init_method = f"tcp://{self.master_addr}:{port}"
+        dist.init_process_group(
+            backend=self.backend, init_method=init_method, rank=self.rank,
+            world_size=self.world_size, timeout=datetime.timedelta(seconds=resolve_timeout(timeout)),
+        )
+        return dataclasses.replace(self, master_port=port)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
+                f"node {self.node_rank}/{self.num_nodes}) backend={self.backend} device={self.device} "
+                f"launcher={self.launcher} master={self.master_addr}:{self.master_port}")
+
+
+def destroy() -> None:
+    """Tear down the default process group if there is one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """Seconds a collective may wait: the argument, else PARATRAIN_TIMEOUT, else 600."""
+    if timeout is None:
+        timeout = float(os.environ.get("PARATRAIN_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if timeout <= 0:
+        raise ConfigError(f"timeout must be a positive number of seconds; got {timeout}")
+    return timeout
+
+
+def pick_backend(requested: str | None, local_rank: int) -> tuple[str, torch.device]:
+    """nccl + cuda:LOCAL_RANK where CUDA is present, else gloo + cpu; a request is checked."""
+    cuda = torch.cuda.is_available()
+    backend = (requested or ("nccl" if cuda else "gloo")).lower()
+    if backend not in ("nccl", "gloo"):
+        raise ConfigError(f"backend must be 'nccl' or 'gloo'; got {backend!r}")
+    if backend == "gloo":
+        return backend, torch.device("cpu")
+    if not cuda:
+        raise ConfigError("backend 'nccl' needs CUDA, and this machine has no CUDA device: "
+                          "use backend='gloo' (or leave it unset to choose automatically)")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"local rank {local_rank} has no GPU: this node has "
+                          f"{torch.cuda.device_count()}; start at most that many processes per node")
+    return backend, torch.device("cuda", local_rank)
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """The groups that hierarchical strategies need, each holding this rank."""
+
+    intra_node: dist.ProcessGroup | None  # the ranks of this node
+    inter_node: dist.ProcessGroup | None  # the ranks with this local rank, one per node
+    intra_ranks: tuple[int, ...]
+    inter_ranks: tuple[int, ...]
+
+
+def rank_grid(topology: Topology) -> torch.Tensor:
+    """The job's ranks as a (num_nodes, local_world_size) grid; every group is a slice of it."""
+    return torch.arange(topology.world_size).view(topology.num_nodes, topology.local_world_size)
+
+
+def groups_along(grid: torch.Tensor, rank: int, dim: int) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
+    """Create one group per line of `grid` along `dim` (collective: every rank calls it) and
+    return the group holding `rank` with its member ranks."""
+    lines = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
+    mine: tuple[dist.ProcessGroup | None, tuple[int, ...]] = (None, ())
+    for line in lines.tolist():
+        group = dist.new_group(ranks=line)
+        if rank in line:
+            mine = (group, tuple(line))
+    return mine
+
+
+def node_groups(topology: Topology) -> NodeGroups:
+    """Intra-node and inter-node groups for this rank (collective: every rank calls it)."""
+    grid = rank_grid(topology)
+    intra, intra_ranks = groups_along(grid, topology.rank, dim=1)
+    inter, inter_ranks = groups_along(grid, topology.rank, dim=0)
+    return NodeGroups(intra, inter, intra_ranks, inter_ranks)
+
+
+def _from_spawn(env, rank, world_size, local_world_size) -> dict:
+    if rank is None or world_size is None:
+        raise ConfigError("pass both rank= and world_size= (as torch.multiprocessing.spawn gives them)")
+    lws = local_world_size or world_size
+    return dict(rank=rank, local_rank=rank % lws, world_size=world_size, local_world_size=lws,
+                node_rank=rank // lws, num_nodes=max(1, world_size // lws), launcher="spawn",
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 0)))
+
+
+def _from_torchrun(env) -> dict:
+    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    lws = _int(env, "LOCAL_WORLD_SIZE", world)
+    return dict(rank=rank, local_rank=_int(env, "LOCAL_RANK", rank % lws), world_size=world,
+                local_world_size=lws, node_rank=_int(env, "GROUP_RANK", rank // lws),
+                num_nodes=max(1, world // lws), launcher="torchrun",
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 0))
+
+
+def _from_slurm(env) -> dict:
+    rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+    nnodes = _int(env, "SLURM_NNODES", _int(env, "SLURM_JOB_NUM_NODES", 1))
+    job_id = _int(env, "SLURM_JOB_ID", 0)
+    return dict(rank=rank, local_rank=_int(env, "SLURM_LOCALID", 0), world_size=world,
+                local_world_size=max(1, world // nnodes), node_rank=_int(env, "SLURM_NODEID", 0),
+                num_nodes=nnodes, launcher="slurm",
+                master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "")),
+                # one port per job, so two jobs sharing a node do not collide
+                master_port=_int(env, "MASTER_PORT", 20000 + job_id % 20000))
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list: 'gpu[03-05,07],cpu1' → 'gpu03'."""
+    if not nodelist:
+        return "127.0.0.1"
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    prefix, ranges = match.group(1), match.group(2)
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def _int(env, name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"environment variable {name} is missing; start the job with "
+                              "`paratrain run`, torchrun or srun")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _validate(f: dict) -> None:
+    if f["world_size"] < 1 or not 0 <= f["rank"] < f["world_size"]:
+        raise ConfigError(f"rank {f['rank']} is not inside a world of size {f['world_size']}")
+    if f["world_size"] % f["local_world_size"]:
+        raise ConfigError(f"world size {f['world_size']} is not a multiple of the processes per node "
+                          f"({f['local_world_size']}): start the same number of processes on every node")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,107 @@
+import pytest
+import torch
+
+import paratrain as pt
+from paratrain.testing import RankFailure, run_on_ranks
+from paratrain.topology import first_slurm_host
+
+
+def test_plain_single_process_needs_no_environment():
+    topo = pt.Topology.from_env({})
+    assert (topo.rank, topo.world_size, topo.local_rank, topo.num_nodes) == (0, 1, 0, 1)
+    assert topo.backend == "gloo" and topo.device == torch.device("cpu")
+    assert topo.launcher == "single" and topo.is_main
+
+
+def test_torchrun_environment():
+    env = dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4", GROUP_RANK="1",
+               MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
+    topo = pt.Topology.from_env(env)
+    assert (topo.rank, topo.local_rank, topo.node_rank, topo.num_nodes) == (5, 1, 1, 2)
+    assert (topo.master_addr, topo.master_port, topo.launcher) == ("10.0.0.1", 29500, "torchrun")
+
+
+def test_slurm_environment():
+    env = dict(SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1", SLURM_NODEID="1",
+               SLURM_NNODES="2", SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="gpu[07-08]")
+    topo = pt.Topology.from_env(env)
+    assert (topo.rank, topo.local_rank, topo.local_world_size, topo.node_rank) == (3, 1, 2, 1)
+    assert topo.master_addr == "gpu07" and topo.master_port == 21234 and topo.launcher == "slurm"
+
+
+def test_spawn_style_arguments():
+    topo = pt.Topology.from_env({}, rank=2, world_size=4, local_world_size=2)
+    assert (topo.local_rank, topo.node_rank, topo.num_nodes, topo.launcher) == (0, 1, 2, "spawn")
+
+
+@pytest.mark.parametrize("nodelist,host", [("node1", "node1"), ("gpu[03-05,07],cpu1", "gpu03"),
+                                           ("a[9]", "a9"), ("", "127.0.0.1")])
+def test_first_slurm_host(nodelist, host):
+    assert first_slurm_host(nodelist) == host
+
+
+@pytest.mark.parametrize("env,message", [
+    (dict(RANK="4", WORLD_SIZE="4"), "not inside a world"),
+    (dict(RANK="0", WORLD_SIZE="6", LOCAL_WORLD_SIZE="4"), "same number of processes on every node"),
+    (dict(RANK="x", WORLD_SIZE="2"), "not an integer"),
+])
+def test_bad_environment_is_a_config_error(env, message):
+    with pytest.raises(pt.ConfigError, match=message):
+        pt.Topology.from_env(env)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised when CUDA is absent")
+def test_nccl_without_cuda_is_a_clear_error():
+    with pytest.raises(pt.ConfigError, match="nccl' needs CUDA"):
+        pt.Topology.from_env({}, backend="nccl")
+
+
+def test_world_of_one_initialises_with_no_environment(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    topo = pt.Topology.from_env().init(timeout=10)
+    try:
+        x = torch.ones(3)
+        torch.distributed.all_reduce(x)
+        assert torch.distributed.get_world_size() == 1 and x.tolist() == [1.0, 1.0, 1.0]
+        assert topo.master_port > 0
+    finally:
+        pt.destroy()
+
+
+def _groups(topo):
+    groups = pt.node_groups(topo)
+    x = torch.tensor([float(topo.rank)])
+    torch.distributed.all_reduce(x, group=groups.intra_node)
+    y = torch.tensor([float(topo.rank)])
+    torch.distributed.all_reduce(y, group=groups.inter_node)
+    return topo.node_rank, groups.intra_ranks, groups.inter_ranks, x.item(), y.item()
+
+
+def test_node_groups_are_sliced_from_the_rank_grid():
+    out = run_on_ranks(_groups, 4, nodes=2)
+    assert out[0] == (0, (0, 1), (0, 2), 1.0, 2.0)
+    assert out[1] == (0, (0, 1), (1, 3), 1.0, 4.0)
+    assert out[2] == (1, (2, 3), (0, 2), 5.0, 2.0)
+    assert out[3] == (1, (2, 3), (1, 3), 5.0, 4.0)
+
+
+def _raise_on_rank_1(topo):
+    if topo.rank == 1:
+        raise ValueError("boom on purpose")
+    torch.distributed.barrier()
+
+
+def test_harness_reports_the_failing_rank():
+    with pytest.raises(RankFailure, match=r"rank 1 raised:(.|\n)*boom on purpose"):
+        run_on_ranks(_raise_on_rank_1, 2, timeout=60)
+
+
+def _skip_collective(topo):
+    if topo.rank == 0:
+        torch.distributed.all_reduce(torch.ones(1))
+
+
+def test_a_rank_that_skips_a_collective_times_out_instead_of_hanging():
+    with pytest.raises(RankFailure, match="rank 0"):
+        run_on_ranks(_skip_collective, 2, timeout=60, collective_timeout=3)
