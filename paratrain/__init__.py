@@ -7,3 +7,7 @@ __all__ = [
     "CommError", "ConfigError", "ParatrainError", "UsageError",
     "Topology", "destroy", "node_groups",
 ]
+
+from paratrain.parallel.ddp import DistributedDataParallel  # noqa: E402
+
+__all__ += ["DistributedDataParallel"]

@@ -40,7 +40,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, nodes: int
     if world_size % nodes:
         raise ValueError(f"world_size {world_size} is not divisible by nodes {nodes}")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "paratrain"])
+    # torch.optim imports torch._dynamo on first use (seconds): do it once, in the server
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.nn.parallel", "paratrain"])
     results: "mp.Queue[tuple[int, str, Any]]" = ctx.Queue()
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     collective_timeout = collective_timeout or min(60.0, timeout / 2)

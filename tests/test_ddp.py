@@ -1,0 +1,169 @@
+"""Our DDP on real ranks against single-process training and against torch's DDP."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import paratrain as pt
+from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
+from models import make_batches, make_model
+
+STEPS, GLOBAL_BATCH = 4, 16
+CHUNKED = {"bn", "dropout"}  # per-replica statistics / masks: the reference splits the batch too
+
+
+def _step_seed(step: int, chunk: int) -> int:
+    return 1000 * step + chunk
+
+
+def _train_on_rank(topo, name, impl, accumulate, optim):
+    """Train `impl` ("ours" or "torch") for STEPS steps on this rank's share of each batch."""
+    model = make_model(name)
+    wrap = pt.DistributedDataParallel if impl == "ours" else torch.nn.parallel.DistributedDataParallel
+    ddp = wrap(model, find_unused_parameters=(name == "unused"))
+    opt = _optimizer(optim, ddp.parameters())
+    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
+    pieces = topo.world_size * accumulate
+    for step in range(STEPS):
+        for micro in range(accumulate):
+            index = topo.rank * accumulate + micro
+            x, y = xs[step].chunk(pieces)[index], ys[step].chunk(pieces)[index]
+            torch.manual_seed(_step_seed(step, index))
+            last = micro == accumulate - 1
+            with (ddp.no_sync() if not last else _nothing()):
+                loss = F.cross_entropy(ddp(x), y) / accumulate
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return ddp.module.state_dict()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _optimizer(kind, params):
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _both(topo, name, accumulate, optim):
+    return (_train_on_rank(topo, name, "ours", accumulate, optim),
+            _train_on_rank(topo, name, "torch", accumulate, optim))
+
+
+def reference(name, world, accumulate, optim):
+    """Single process, same global batches. For BatchNorm and dropout the batch is cut into the
+    same pieces as the ranks' (each piece its own statistics / seeded mask), losses averaged."""
+    model = make_model(name)
+    opt = _optimizer(optim, model.parameters())
+    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
+    pieces = world * accumulate if name in CHUNKED else 1
+    for step in range(STEPS):
+        for index, (x, y) in enumerate(zip(xs[step].chunk(pieces), ys[step].chunk(pieces))):
+            torch.manual_seed(_step_seed(step, index))
+            (F.cross_entropy(model(x), y) / pieces).backward()
+        opt.step()
+        opt.zero_grad()
+    return dict(model.named_parameters())
+
+
+CASES = [(name, world, 1, "sgd") for name in ("mlp", "bn", "dropout", "tied", "unused")
+         for world in (1, 2, 4)]
+CASES += [("mlp", 2, 4, "sgd"), ("bn", 2, 2, "sgd"), ("mlp", 2, 1, "adam"), ("tied", 4, 2, "adam")]
+
+
+@pytest.mark.parametrize("name,world,accumulate,optim", CASES)
+def test_ddp_matches_single_process_and_torch_ddp(name, world, accumulate, optim):
+    if GLOBAL_BATCH % (world * accumulate):
+        pytest.fail("test setup: global batch must split evenly")
+    ours, theirs = run_on_ranks(_both, world, name, accumulate, optim)[0]
+    ref = {k: v.detach() for k, v in reference(name, world, accumulate, optim).items()}
+    assert_same_params({k: ours[k] for k in ref}, ref, atol=1e-5)
+    assert_same_params(ours, theirs, atol=1e-6)  # buffers (BatchNorm statistics) included
+
+
+def _replicas_agree(topo):
+    model = make_model("bn", seed=topo.rank)  # every rank starts different
+    ddp = pt.DistributedDataParallel(model)
+    state = copy.deepcopy(ddp.state_dict())
+    xs, ys = make_batches(1, 8, seed=topo.rank)
+    F.cross_entropy(ddp(xs[0]), ys[0]).backward()
+    return state, {n: p.grad.clone() for n, p in ddp.named_parameters()}
+
+
+def test_rank_zero_state_is_broadcast_and_gradients_averaged():
+    (s0, g0), (s1, g1) = run_on_ranks(_replicas_agree, 2)
+    assert_same_params(s0, s1, atol=0)  # parameters and BatchNorm buffers from rank 0
+    assert all(torch.equal(g0[k], g1[k]) for k in g0)
+
+
+def _keys_and_views(topo):
+    model = make_model("mlp")
+    ours = pt.DistributedDataParallel(model)
+    theirs = torch.nn.parallel.DistributedDataParallel(make_model("mlp"))
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    x, y = make_batches(1, 4)
+    for _ in range(2):  # zero_grad(set_to_none=True) between steps drops the views; they return
+        F.cross_entropy(ours(x[0]), y[0]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    F.cross_entropy(ours(x[0]), y[0]).backward()
+    views = []
+    for bucket in ours._buckets.buckets:
+        lo = bucket.buffer.data_ptr()
+        hi = lo + bucket.buffer.numel() * bucket.buffer.element_size()
+        views += [lo <= p.grad.data_ptr() < hi for p in bucket.params]
+    return list(ours.state_dict()), list(theirs.state_dict()), views
+
+
+def test_state_dict_keys_match_torch_and_grads_are_bucket_views():
+    ours, theirs, views = run_on_ranks(_keys_and_views, 2)[0]
+    assert ours == theirs and ours[0].startswith("module.")
+    assert views and all(views)
+
+
+def _unused_without_flag(topo):
+    ddp = pt.DistributedDataParallel(make_model("unused"))
+    x, y = make_batches(1, 4)
+    F.cross_entropy(ddp(x[0]), y[0]).backward()
+
+
+def test_unused_parameter_without_find_unused_names_it():
+    with pytest.raises(RankFailure, match=r"spare\.weight(.|\n)*find_unused_parameters=True"):
+        run_on_ranks(_unused_without_flag, 2, timeout=60, collective_timeout=10)
+
+
+def _different_models(topo):
+    pt.DistributedDataParallel(make_model("mlp" if topo.rank == 0 else "tied"))
+
+
+def test_different_models_on_ranks_is_a_config_error():
+    with pytest.raises(RankFailure, match="different parameter shapes"):
+        run_on_ranks(_different_models, 2, timeout=60)
+
+
+def _torch_arguments(topo):
+    model = make_model("mlp")
+    ddp = pt.DistributedDataParallel(
+        model, device_ids=None, output_device=None, dim=0, broadcast_buffers=True, init_sync=True,
+        process_group=dist.group.WORLD, bucket_cap_mb=1, find_unused_parameters=False,
+        check_reduction=False, gradient_as_bucket_view=True, static_graph=False)
+    return ddp.module is model
+
+
+def test_accepts_torch_constructor_arguments():
+    assert run_on_ranks(_torch_arguments, 2) == [True, True]
+
+
+def test_needs_an_initialised_group():
+    with pytest.raises(pt.UsageError, match="Topology.from_env"):
+        pt.DistributedDataParallel(make_model("mlp"))
