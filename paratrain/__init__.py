@@ -1,13 +1,27 @@
-"""paratrain: every classic parallelism strategy for PyTorch, small, readable, proved by parity."""
+"""paratrain: every classic parallelism strategy for PyTorch, small, readable, proved by parity.
 
+    import paratrain as pt
+    session = pt.Session(strategy="ddp")
+    model, optimizer, loader = session.setup(model, optimizer, loader)
+    for batch in session.progress(loader):
+        loss = session.train_step(batch, loss_fn)
+"""
+
+from paratrain.comm import all_gather_with_grad, broadcast_object, mean_metrics, ring_all_reduce
+from paratrain.data import DistributedSampler, partition
 from paratrain.errors import CommError, ConfigError, ParatrainError, UsageError
-from paratrain.topology import Topology, destroy, node_groups
+from paratrain.parallel.ddp import DistributedDataParallel
+from paratrain.session import Session
+from paratrain.strategy import DDP, Single, Strategy
+from paratrain.topology import NodeGroups, Topology, destroy, node_groups
+
+__version__ = "0.1.0"
 
 __all__ = [
     "CommError", "ConfigError", "ParatrainError", "UsageError",
-    "Topology", "destroy", "node_groups",
+    "Topology", "NodeGroups", "destroy", "node_groups",
+    "all_gather_with_grad", "broadcast_object", "mean_metrics", "ring_all_reduce",
+    "DistributedSampler", "partition",
+    "DistributedDataParallel",
+    "Session", "Strategy", "Single", "DDP",
 ]
-
-from paratrain.parallel.ddp import DistributedDataParallel  # noqa: E402
-
-__all__ += ["DistributedDataParallel"]

@@ -1,0 +1,230 @@
+"""The training session: one object that turns a single-device loop into a distributed one.
+
+    session = pt.Session(strategy="ddp", accumulate=4)
+    model, optimizer, loader = session.setup(model, optimizer, loader)
+    for epoch in range(epochs):
+        for batch in session.progress(loader):
+            loss = session.train_step(batch, loss_fn)
+
+`setup` wraps the model with the strategy and rebuilds the loader so that each data-parallel
+replica reads a disjoint share of every epoch: the loader's `batch_size` is the *global* batch,
+and each replica gets `batch_size / replicas` of it, so changing the number of processes does not
+change what one optimizer step sees.
+
+`train_step(batch, loss_fn)` takes `batch = (inputs, targets)` and `loss_fn(outputs, targets)`.
+For loops that need more control, the same step is `with session.accumulation(): loss = …;
+session.backward(loss)` followed by `session.step()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler
+from torch.utils._pytree import tree_flatten, tree_map
+from tqdm.auto import tqdm
+
+from paratrain.data import DistributedSampler
+from paratrain.errors import ConfigError, UsageError
+from paratrain.strategy import Strategy, resolve
+from paratrain.topology import Topology, destroy
+
+
+class Session:
+    """Strategy, accumulation, clipping, progress and rank-0 printing for one training job.
+
+    strategy: a name ("single", "ddp") or a strategy object such as `paratrain.DDP(...)`.
+    accumulate: micro-batches per optimizer step; gradients are averaged over them and
+        communication happens only on the last one.
+    max_grad_norm: clip the global gradient norm to this before each optimizer step.
+    seed: seeds torch on every rank and the data order of every epoch.
+    timeout: seconds any collective may wait before the job fails (default PARATRAIN_TIMEOUT or 600).
+    topology: where this process sits; read from the environment when not given.
+    """
+
+    def __init__(self, strategy: str | Strategy = "ddp", *, accumulate: int = 1,
+                 max_grad_norm: float | None = None, seed: int = 0, timeout: float | None = None,
+                 topology: Topology | None = None, progress_bar: bool = True):
+        if accumulate < 1:
+            raise ConfigError(f"accumulate must be at least 1; got {accumulate}")
+        self.strategy = resolve(strategy)
+        self.accumulate, self.max_grad_norm, self.seed = accumulate, max_grad_norm, seed
+        self.topology = (topology or Topology.from_env()).init(timeout)
+        self.progress_bar = progress_bar
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.epoch = 0
+        self.micro_step = 0  # micro-batches seen; an optimizer step every `accumulate`
+        self.last_loss: torch.Tensor | None = None
+        self.samples_per_second = 0.0  # global throughput of the last progress() loop
+        torch.manual_seed(seed)
+
+    # -- facts about the job -------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.topology.is_main
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on global rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+              loader: DataLoader | None = None):
+        """Wrap `model` with the strategy, check `optimizer` holds its parameters, and shard
+        `loader`. Returns (model, optimizer, loader), leaving out what was not passed."""
+        self.model = self.strategy.wrap(model, self.topology)
+        if optimizer is not None:
+            _check_optimizer_owns(optimizer, self.strategy.unwrap(self.model))
+        self.optimizer = optimizer
+        out: list[Any] = [self.model]
+        if optimizer is not None:
+            out.append(optimizer)
+        if loader is not None:
+            out.append(self.shard_loader(loader))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def shard_loader(self, loader: DataLoader) -> DataLoader:
+        """The same loader, reading this replica's share: batch_size/replicas per step."""
+        replicas, index = self.strategy.data_parallel(self.topology)
+        batch = loader.batch_size
+        if batch is None:
+            raise ConfigError("the loader has no batch_size (it uses a batch_sampler): build it "
+                              "with DataLoader(dataset, batch_size=GLOBAL_BATCH, shuffle=...)")
+        if batch < replicas or batch % replicas:
+            raise ConfigError(f"the global batch size {batch} must be a multiple of the "
+                              f"{replicas} data-parallel replicas; use a batch size of "
+                              f"{max(replicas, batch // replicas * replicas)}")
+        sampler = DistributedSampler(loader.dataset, num_replicas=replicas, rank=index,
+                                     shuffle=isinstance(loader.sampler, RandomSampler),
+                                     seed=self.seed, drop_last=loader.drop_last)
+        return DataLoader(loader.dataset, batch_size=batch // replicas, sampler=sampler,
+                          num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                          pin_memory=loader.pin_memory or self.device.type == "cuda",
+                          drop_last=loader.drop_last, timeout=loader.timeout,
+                          worker_init_fn=loader.worker_init_fn,
+                          persistent_workers=loader.persistent_workers)
+
+    def unwrap(self, model: nn.Module | None = None) -> nn.Module:
+        """The user's own model inside the strategy's wrapper (for evaluation, export)."""
+        return self.strategy.unwrap(model or self._require_model())
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def train_step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """Forward `inputs`, `loss_fn(outputs, targets)`, backward, and — on the last of
+        `accumulate` micro-batches — clip and step. Returns the (unscaled) loss, detached."""
+        inputs, targets = self.to_device(batch)
+        model = self._require_model()
+        with self.accumulation():
+            loss = loss_fn(model(inputs), targets)
+            self.backward(loss)
+        self.step()
+        self.last_loss = loss.detach()
+        return self.last_loss
+
+    @contextlib.contextmanager
+    def accumulation(self) -> Iterator[bool]:
+        """Wrap forward and backward of one micro-batch: on all but the last of `accumulate`
+        micro-batches, gradients accumulate locally with no communication. Yields whether this
+        micro-batch ends an optimizer step."""
+        last = (self.micro_step + 1) % self.accumulate == 0
+        with contextlib.nullcontext() if last else self.strategy.no_sync(self._require_model()):
+            yield last
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss / accumulate`, so k micro-batches of the mean loss sum to the mean
+        over one k-times-larger batch."""
+        (loss / self.accumulate).backward()
+
+    def step(self) -> bool:
+        """Count a micro-batch; at the end of each accumulation, clip, step and zero the
+        gradients. Returns True when the optimizer stepped."""
+        self.micro_step += 1
+        if self.micro_step % self.accumulate:
+            return False
+        if self.optimizer is None:
+            raise UsageError("step() needs an optimizer: pass it to session.setup(model, optimizer)")
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._require_model().parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def to_device(self, batch: Any) -> Any:
+        """`batch` with every tensor moved to this rank's device."""
+        return tree_map(lambda t: t.to(self.device, non_blocking=True) if torch.is_tensor(t) else t, batch)
+
+    # -- progress ----------------------------------------------------------------------------------
+
+    def progress(self, loader: Iterable, desc: str | None = None) -> Iterator[Any]:
+        """Iterate `loader` for one epoch (reshuffled per epoch), with a progress bar on rank 0
+        showing the loss and global samples per second."""
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.epoch)
+        replicas, _ = self.strategy.data_parallel(self.topology)
+        total = len(loader) if hasattr(loader, "__len__") else None
+        bar = tqdm(total=total, desc=desc or f"epoch {self.epoch}", leave=False, mininterval=0.5,
+                   disable=not (self.is_main and self.progress_bar), dynamic_ncols=True)
+        samples, start = 0, time.perf_counter()
+        for batch in loader:
+            yield batch
+            samples += _batch_len(batch) * replicas
+            self.samples_per_second = samples / (time.perf_counter() - start)
+            if self.last_loss is not None and not bar.disable:
+                bar.set_postfix(loss=f"{self.last_loss.item():.4f}",
+                                samples_s=f"{self.samples_per_second:.0f}", refresh=False)
+            bar.update()
+        bar.close()
+        self.epoch += 1
+
+    # -- end ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Tear down the process group."""
+        destroy()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _require_model(self) -> nn.Module:
+        if self.model is None:
+            raise UsageError("call session.setup(model, optimizer, loader) before training")
+        return self.model
+
+
+def _check_optimizer_owns(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    owned = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in owned)
+    if foreign:
+        raise ConfigError(f"the optimizer holds {foreign} tensor(s) that are not parameters of the "
+                          "model passed to setup(); create the optimizer from model.parameters() "
+                          "of the same model")
+
+
+def _batch_len(batch: Any) -> int:
+    tensors = [t for t in tree_flatten(batch)[0] if torch.is_tensor(t) and t.dim() > 0]
+    return tensors[0].shape[0] if tensors else 1

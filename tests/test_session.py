@@ -1,0 +1,90 @@
+"""Session end to end: the same script under 'single' and 'ddp' trains the same model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain as pt
+from paratrain.testing import assert_same_params, run_on_ranks
+from models import make_batches, make_model
+
+EPOCHS, GLOBAL_BATCH = 2, 8
+
+
+def _dataset():
+    xs, ys = make_batches(1, 40, seed=3)
+    return TensorDataset(xs[0], ys[0])
+
+
+def _train(topo, strategy, accumulate, max_grad_norm=None):
+    session = pt.Session(strategy=strategy, accumulate=accumulate, seed=5,
+                         max_grad_norm=max_grad_norm, topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = DataLoader(_dataset(), batch_size=GLOBAL_BATCH // accumulate, shuffle=True)
+    model, optimizer, loader = session.setup(model, optimizer, loader)
+    seen = []
+    for _ in range(EPOCHS):
+        for batch in session.progress(loader):
+            seen.append(batch[1].clone())
+            session.train_step(batch, F.cross_entropy)
+    return session.unwrap().state_dict(), torch.cat(seen), session.epoch
+
+
+@pytest.mark.parametrize("world,accumulate,clip", [(2, 1, None), (4, 1, None), (2, 2, None),
+                                                   (2, 1, 0.05)])
+def test_ddp_session_equals_single_session(world, accumulate, clip):
+    single, _, _ = run_on_ranks(_train, 1, "single", accumulate, clip)[0]
+    results = run_on_ranks(_train, world, "ddp", accumulate, clip)
+    for state, _, epochs in results:
+        assert epochs == EPOCHS
+        assert_same_params(state, single, atol=1e-5)
+
+
+def test_ranks_read_disjoint_shares_that_cover_each_epoch():
+    results = run_on_ranks(_train, 2, "ddp", 1)
+    labels = torch.cat([seen for _, seen, _ in results])
+    expected = _dataset().tensors[1].repeat(EPOCHS)
+    assert torch.equal(labels.sort().values, expected.sort().values)
+
+
+def _misuse(topo, case):
+    session = pt.Session("ddp", topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    if case == "optimizer of another model":
+        session.setup(model, torch.optim.SGD(make_model("mlp").parameters(), lr=0.1))
+    elif case == "batch not divisible":
+        session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      DataLoader(_dataset(), batch_size=3))
+    elif case == "step before setup":
+        session.train_step((torch.zeros(2, 12), torch.zeros(2, dtype=torch.long)), F.cross_entropy)
+
+
+@pytest.mark.parametrize("case,error,message", [
+    ("optimizer of another model", "ConfigError", "not parameters of the model"),
+    ("batch not divisible", "ConfigError", "multiple of the 2 data-parallel replicas"),
+    ("step before setup", "UsageError", "call session.setup"),
+])
+def test_misuse_is_a_clear_error(case, error, message):
+    with pytest.raises(pt.testing.RankFailure, match=f"{error}: .*{message}"):
+        run_on_ranks(_misuse, 2, case, timeout=60)
+
+
+def test_unknown_strategy_names_the_choices():
+    with pytest.raises(pt.ConfigError, match=r"unknown strategy 'zero9'.*'ddp'"):
+        pt.Session(strategy="zero9")
+
+
+def _single_on_two(topo):
+    pt.Session("single", topology=topo).setup(make_model("mlp"))
+
+
+def test_single_strategy_refuses_many_processes():
+    with pytest.raises(pt.testing.RankFailure, match="strategy 'single' runs one process"):
+        run_on_ranks(_single_on_two, 2, timeout=60)
+
+
+def test_accumulate_must_be_positive():
+    with pytest.raises(pt.ConfigError, match="accumulate must be at least 1"):
+        pt.Session("single", accumulate=0)
