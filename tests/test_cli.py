@@ -1,0 +1,228 @@
+"""`paratrain run` / `paratrain env` through real processes: the elastic agent, its workers, their exit.
+
+Every job runs in its own session under a wall-clock bound; if it outlives the bound the whole
+session is killed, so a failing test leaves nothing behind either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from paratrain import cli
+from paratrain.topology import _free_port
+
+# One worker script for every job; the mode (second argument) picks how it behaves. Each rank
+# writes its pid first, so a test can check afterwards that no worker outlived the job.
+WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    import torch, torch.distributed as dist
+    import paratrain as pt
+
+    out, mode = sys.argv[1], sys.argv[2]
+    if mode == "restart" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise SystemExit("first attempt fails on purpose")
+    topo = pt.Topology.from_env().init()
+    with open(os.path.join(out, f"pid{topo.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if mode == "raise" and topo.rank == 1:
+        raise ValueError("rank 1 exploded on purpose")
+    if mode in ("raise", "hang") and topo.rank != 0:
+        time.sleep(120)  # never reaches the collective below
+    if mode == "raise":
+        time.sleep(120)  # rank 0 waits: the launcher must stop it
+    total = torch.tensor([float(topo.rank + 1)])
+    dist.all_reduce(total)
+    seen = dict(rank=topo.rank, world=topo.world_size, node=topo.node_rank, nodes=topo.num_nodes,
+                argv=sys.argv[3:], sum=total.item())
+    with open(os.path.join(out, f"rank{topo.rank}.json"), "w") as f:
+        json.dump(seen, f)
+    pt.destroy()
+""")
+
+
+@pytest.fixture
+def job(tmp_path):
+    """Write the worker script; return (cwd, output folder)."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    return tmp_path, out
+
+
+def start(*args: str, cwd) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "paratrain", *args], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 45) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the agent and every worker it started
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"`paratrain {' '.join(proc.args[3:])}` ran past {timeout}s:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def paratrain(*args: str, cwd, timeout: float = 45) -> subprocess.CompletedProcess:
+    return finish(start(*args, cwd=cwd), timeout)
+
+
+def results(out, world: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def assert_no_worker_left(out, world: int) -> None:
+    pids = [int((out / f"pid{r}").read_text()) for r in range(world) if (out / f"pid{r}").exists()]
+    assert pids, "no worker wrote its pid"
+    deadline = time.monotonic() + 5
+    while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"worker processes {alive} outlived the job"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_script_runs_on_every_rank_with_its_arguments_unchanged(job):
+    cwd, out = job
+    proc = paratrain("run", "-n", "2", "worker.py", str(out), "ok", "--flag", "value", "-n", "5",
+                     cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank, seen in enumerate(results(out, 2)):
+        assert seen == dict(rank=rank, world=2, node=0, nodes=1, argv=["--flag", "value", "-n", "5"],
+                            sum=3.0)
+
+
+def test_failing_rank_fails_the_job_and_stops_the_others(job):
+    cwd, out = job
+    proc = paratrain("run", "-n", "2", "worker.py", str(out), "raise", cwd=cwd)
+    assert proc.returncode == 1
+    assert "ValueError: rank 1 exploded on purpose" in proc.stderr
+    assert "paratrain run: rank 1 failed (exit code 1" in proc.stderr
+    assert "stopped by the launcher: rank 0" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("paratrain run: rank 1 failed")[1]
+    assert_no_worker_left(out, 2)
+
+
+def test_rank_missing_a_collective_times_out_instead_of_hanging(job):
+    cwd, out = job
+    began = time.monotonic()
+    proc = paratrain("run", "-n", "2", "--timeout", "5", "worker.py", str(out), "hang", cwd=cwd,
+                     timeout=35)
+    assert proc.returncode != 0
+    assert "timed out" in proc.stderr.lower() and "paratrain run: rank 0 failed" in proc.stderr
+    assert time.monotonic() - began < 35
+    assert_no_worker_left(out, 2)
+
+
+def test_module_form_and_max_restarts(job):
+    cwd, out = job  # the first attempt exits 1, the restarted group succeeds
+    proc = paratrain("run", "-n", "1", "--max-restarts", "1", "-m", "worker", str(out), "restart",
+                     "--epochs", "3", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "first attempt fails on purpose" in proc.stderr
+    assert results(out, 1) == [dict(rank=0, world=1, node=0, nodes=1, argv=["--epochs", "3"], sum=1.0)]
+
+
+def test_env_as_a_plain_process(tmp_path):
+    proc = paratrain("env", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip()
+    assert line.startswith("[rank 0] rank=0 local_rank=0 world_size=1 ")
+    assert "launcher=single" in line and "intra_node_ranks=0 inter_node_ranks=0" in line
+
+
+def test_env_under_run_prints_every_rank(tmp_path):
+    proc = paratrain("run", "-n", "2", "--timeout", "7", "--backend", "gloo", "-m", "paratrain", "env",
+                     cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(proc.stdout.strip().splitlines())
+    assert len(lines) == 2
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"[rank {rank}] rank={rank} local_rank={rank} world_size=2 ")
+        for field in ("backend=gloo", "launcher=torchrun", "timeout=7s", "intra_node_ranks=0,1",
+                      f"inter_node_ranks={rank}"):
+            assert field in line
+
+
+def test_two_nodes_on_loopback_form_one_world(job):
+    cwd, out = job
+    port = str(_free_port())
+    nodes = [start("run", "--nnodes", "2", "--node-rank", str(node), "-n", "1", "--master-addr",
+                   "127.0.0.1", "--master-port", port, "worker.py", str(out), "ok", cwd=cwd)
+             for node in (0, 1)]
+    for proc in [finish(p) for p in nodes]:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(s["rank"], s["node"], s["nodes"], s["sum"]) for s in results(out, 2)] == [
+        (0, 0, 2, 3.0), (1, 1, 2, 3.0)]
+
+
+def test_unreachable_master_is_reported_not_a_traceback(job, monkeypatch):
+    cwd, out = job
+    monkeypatch.setenv("PET_RDZV_CONF", "timeout=2")  # torchrun's rendezvous wait, read from the env
+    proc = paratrain("run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                     "--master-port", str(_free_port()), "worker.py", str(out), "ok", cwd=cwd)
+    assert proc.returncode == 1 and "paratrain run: the nodes could not meet" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "-n", "0", "x.py"], "-n must be at least 1"),
+    (["run", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "x.py"], "--node-rank must be in 0 … 1"),
+    (["run", "--nnodes", "2", "x.py"], "--nnodes 2 needs --master-addr"),
+    (["run", "-n", "2"], "required: script.py | module"),
+    (["run", "missing.py"], "script 'missing.py' not found"),
+    (["run", "--timeout", "0", "x.py"], "--timeout must be a positive number"),
+    (["run", "--master-port", "70000", "x.py"], "--master-port must be in 1 … 65535"),
+    (["run", "--backend", "mpi", "x.py"], "invalid choice: 'mpi'"),
+    (["run", "-n", "two", "x.py"], "invalid int value: 'two'"),
+    ([], "required: {run,env}"),
+])
+def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, monkeypatch, capsys):
+    (tmp_path / "x.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_bad_input_from_the_command_line(tmp_path):
+    proc = paratrain("run", "-n", "0", "x.py", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr == "paratrain run: error: -n must be at least 1 process per node; got 0\n"
+
+
+def test_version_from_the_console_script(tmp_path):
+    script = shutil.which("paratrain")
+    if script is None:
+        pytest.skip("the `paratrain` console script is not on PATH (package not installed)")
+    proc = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.startswith("paratrain ")
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["run", "-n", "4", "t.py", "--lr", "1"], ["--nproc-per-node", "4", "--max-restarts", "0",
+                                              "--standalone", "t.py", "--lr", "1"]),
+    (["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--max-restarts", "3",
+      "-m", "pkg.train"],
+     ["--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "static", "--nnodes", "2",
+      "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500", "-m", "pkg.train"]),
+])
+def test_torchrun_command_line(argv, expected):
+    assert cli.torchrun_argv(cli.build_parser().parse_args(argv)) == expected
