@@ -1,9 +1,11 @@
+import os
+
 import pytest
 import torch
 
 import paratrain as pt
 from paratrain.testing import RankFailure, run_on_ranks
-from paratrain.topology import first_slurm_host
+from paratrain.topology import _free_port, first_slurm_host
 
 
 def test_plain_single_process_needs_no_environment():
@@ -105,3 +107,20 @@ def _skip_collective(topo):
 def test_a_rank_that_skips_a_collective_times_out_instead_of_hanging():
     with pytest.raises(RankFailure, match="rank 0"):
         run_on_ranks(_skip_collective, 2, timeout=60, collective_timeout=3)
+
+
+def _spawned(index, world, port, out):
+    # what a torch.multiprocessing.spawn user writes: rank and world size are arguments
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with pt.Session("ddp", topology=pt.Topology.from_env(rank=index, world_size=world),
+                    progress_bar=False) as session:
+        model = session.setup(torch.nn.Linear(3, 1))
+        model(torch.full((2, 3), float(index))).sum().backward()
+        torch.save((session.topology.launcher, model.module.weight.grad), f"{out}/{index}.pt")
+
+
+def test_runs_under_torch_multiprocessing_spawn(tmp_path):
+    torch.multiprocessing.spawn(_spawned, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    (launcher0, grad0), (_, grad1) = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
+    assert launcher0 == "spawn"
+    assert torch.equal(grad0, grad1) and torch.allclose(grad0, torch.ones(1, 3))  # mean of 0s and 2s

@@ -1,0 +1,31 @@
+"""The README's demo, run as a user runs it: through `paratrain run`, two processes."""
+
+import csv
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_digits_demo_with_two_ranks_reaches_095(tmp_path):
+    cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "examples/digits.py",
+           "--strategy", "ddp", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    accuracy = float(re.search(r"^test accuracy: (0\.\d+)$", done.stdout, re.M).group(1))
+    assert accuracy >= 0.95
+    assert re.search(r"^samples per second: \d+", done.stdout, re.M)
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 10 and float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    ci = open(os.path.join(ROOT, ".ci", "run")).read().strip().splitlines()[-1]
+    commands = re.findall(r"```bash\n(.*?)\n```", readme)
+    assert commands[1] == ci  # the second command of the README runs the tests
+    assert "torch==2.13.0" in commands[0] and "examples/digits.py" in commands[0]
