@@ -96,17 +96,23 @@ class GradBuckets:
                     p.grad = bucket.view(slot)
         return grad_buckets
 
-    def adopt_grad(self, p: nn.Parameter, zero_if_missing: bool = False) -> None:
-        """Make `p.grad` the bucket view: copy a freshly allocated gradient in (after
-        `zero_grad(set_to_none=True)` autograd allocates a new tensor), or zero the slot."""
+    def adopt_grad(self, p: nn.Parameter, *, average: bool = False, zero_if_missing: bool = False) -> None:
+        """Make `p.grad` the bucket view: move a freshly allocated gradient in (after
+        `zero_grad(set_to_none=True)` autograd allocates a new tensor), or zero the slot.
+        `average` divides by the world size on the way, so the all-reduce's SUM is the mean
+        (one pass over the gradient instead of a copy and a division; torch's reducer also
+        scales while copying, reducer.cpp `mark_variable_ready_dense`)."""
         bucket, slot = self.slot_of[p]
         view = bucket.view(slot)
+        divisor = self.world_size if average else 1
         if p.grad is None:
             if zero_if_missing:
                 view.zero_()
-            return
-        if p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+        elif p.grad.data_ptr() == view.data_ptr():
+            if divisor != 1:
+                view.div_(divisor)
+        else:
+            torch.div(p.grad, divisor, out=view)
             p.grad = view
 
     def reset(self) -> None:
@@ -126,8 +132,8 @@ class GradBuckets:
             self.next_to_launch += 1
 
     def start_grad_sync(self, bucket: Bucket) -> None:
-        # divide first, then sum: the result is the mean and the sum cannot overflow in fp16
-        bucket.buffer.div_(self.world_size)
+        # every gradient in the bucket was divided by the world size as it arrived (adopt_grad):
+        # the SUM is the mean, and summing pre-divided values cannot overflow in fp16
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
 
     def finish_grad_sync(self) -> None:

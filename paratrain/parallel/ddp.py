@@ -130,7 +130,7 @@ class DistributedDataParallel(nn.Module):
             return
         if not self._in_backward:
             self._start_backward()
-        self._buckets.adopt_grad(p)
+        self._buckets.adopt_grad(p, average=True)
         self._buckets.mark_ready(p)
 
     def _start_backward(self) -> None:
@@ -139,7 +139,7 @@ class DistributedDataParallel(nn.Module):
         # runs once, when the whole backward pass has finished
         Variable._execution_engine.queue_callback(self._finish_backward)
         for p in self._unused:  # contribute what they hold (zero if nothing) to the average
-            self._buckets.adopt_grad(p, zero_if_missing=True)
+            self._buckets.adopt_grad(p, average=True, zero_if_missing=True)
             self._buckets.mark_ready(p)
 
     def _finish_backward(self) -> None:
