@@ -29,3 +29,16 @@ def test_readme_test_command_is_what_ci_runs():
     commands = re.findall(r"```bash\n(.*?)\n```", readme)
     assert commands[1] == ci  # the second command of the README runs the tests
     assert "torch==2.13.0" in commands[0] and "examples/digits.py" in commands[0]
+
+
+def test_readme_ddp_table_is_the_benchmark_json():
+    import json
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    results = json.load(open(os.path.join(ROOT, "bench", "results", "ddp.json")))["models"]
+    for label, name in [("MLP", "mlp"), ("small GPT", "transformer")]:
+        m = results[name]
+        row = re.search(rf"^\| {label} \| .*$", readme, re.M).group(0)
+        assert f"| {m['ours_ms']:.1f} | {m['torch_ms']:.1f} | {m['ratio']:.3f} |" in row
+        assert m["ratio"] <= 1.05 and m["max_param_diff"] <= 1e-6
+        assert m["ours_peak_mb"] <= m["torch_peak_mb"]

@@ -1,0 +1,164 @@
+"""What the benchmarks share: the two models and their data, one training step, interleaved
+timing, peak-memory measurement on CPU, and the results table.
+
+The models, data, training step and memory readers run inside the ranks (started by
+`paratrain.testing.run_on_ranks`); `slowest_rank`, `print_table` and `write_json` in the launching
+process. Linux only: peak memory reads /proc and calls glibc's mallopt.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SEQ = 64  # tokens per transformer sequence
+VOCAB = 8192
+
+
+def mlp() -> nn.Module:
+    """1024 → 2048 → 4 × (2048 → 2048) → 10, ReLU between: 18,905,098 parameters."""
+    widths = [1024, 2048, 2048, 2048, 2048, 2048]
+    layers: list[nn.Module] = []
+    for d_in, d_out in zip(widths, widths[1:]):
+        layers += [nn.Linear(d_in, d_out), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(widths[-1], 10))
+
+
+class TinyGPT(nn.Module):
+    """Token + position embedding, 7 pre-norm causal encoder layers (d 256, 4 heads, MLP 1024, no
+    dropout), final LayerNorm, untied head to an 8192-token vocabulary: 9,739,520 parameters.
+    The causal mask is a buffer (as in nanoGPT), which DDP broadcasts from rank 0 at every forward."""
+
+    def __init__(self, d: int = 256, layers: int = 7, heads: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(SEQ),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, SEQ) → (B, SEQ, VOCAB)
+        h = self.embed(tokens) + self.pos
+        return self.head(self.norm(self.blocks(h, mask=self.causal, is_causal=True)))
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": mlp, "transformer": TinyGPT}
+
+
+def make_model(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def make_batches(name: str, batch: int, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` batches of `batch` samples: MLP rows (x: (batch, 1024), y: (batch,) in 0..9), or
+    transformer tokens (x, y: (batch // SEQ, SEQ) in 0..VOCAB-1, y the next token)."""
+    g = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        return [(torch.randn(batch, 1024, generator=g), torch.randint(0, 10, (batch,), generator=g))
+                for _ in range(count)]
+    if batch % SEQ:
+        raise ValueError(f"the transformer takes the batch in tokens, a multiple of {SEQ}; got {batch}")
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, VOCAB, (batch // SEQ, SEQ + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the model's logits (..., classes) against y (...)."""
+    return F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One plain step as a user writes it: forward, loss, backward, step, zero_grad (to None)."""
+    loss = loss_of(model, x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def interleave(run_block: Callable[[str, int], list[float]], impls: list[str], rounds: int,
+               steps: int) -> dict[str, list[float]]:
+    """`rounds` rounds; in each, every implementation runs `steps` timed steps, the order rotated
+    by one each round (with two: alternating which goes first). Returns every step's time."""
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for r in range(rounds):
+        for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
+            times[impl] += run_block(impl, steps)
+    return times
+
+
+def slowest_rank(per_rank: list[list[float]]) -> list[float]:
+    """A step ends when its slowest rank ends: the per-step maximum over ranks."""
+    return [max(step) for step in zip(*per_rank)]
+
+
+# -- peak memory on CPU -------------------------------------------------------------------------
+# glibc serves blocks above a threshold with mmap and gives them back with munmap; below it, from
+# a heap that keeps freed memory. The threshold starts at 128 KiB but rises to the size of any
+# mmapped block freed (up to 32 MiB), so after torch has freed a few tensors, freed gradients and
+# activations stay in the heap: RSS then neither falls nor shows what is live. Fixing the
+# threshold (which also stops it moving) makes RSS follow the live tensors.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def return_freed_memory_to_os(threshold: int = 64 * 1024) -> None:
+    """Make this process's freed blocks above `threshold` bytes go back to the OS, and check it."""
+    libc = ctypes.CDLL("libc.so.6")
+    if not (libc.mallopt(_M_MMAP_THRESHOLD, threshold) and libc.mallopt(_M_TRIM_THRESHOLD, threshold)):
+        raise RuntimeError("mallopt refused to set the mmap threshold; peak memory would be wrong")
+    before = rss_mb()
+    for _ in range(3):  # with a moving threshold the second and third blocks stay in the heap
+        block = torch.ones(4 * 2**20)
+        del block
+    if rss_mb() - before > 4:
+        raise RuntimeError(f"freed 16 MiB blocks stayed in RSS ({rss_mb() - before:.1f} MiB)")
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) / 1024
+
+
+def rss_mb() -> float:
+    return _status_mb("VmRSS")
+
+
+def reset_peak_rss() -> None:
+    """Set the kernel's high-water mark (VmHWM) back to the current RSS (proc(5), clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_mb() -> float:
+    return _status_mb("VmHWM")
+
+
+# -- output -------------------------------------------------------------------------------------
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """columns: (key, header, format spec)."""
+    widths = [max(len(h), 10) for _, h, _ in columns]
+    print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
+    for row in rows:
+        print("  ".join(format(row[k], spec).rjust(w) for (k, _, spec), w in zip(columns, widths)))
+
+
+def write_json(path: str | os.PathLike, payload: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")

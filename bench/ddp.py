@@ -1,0 +1,178 @@
+"""Benchmark: paratrain.DistributedDataParallel against torch.nn.parallel.DistributedDataParallel.
+
+    python bench/ddp.py [--rounds 5] [--steps 20] [--batch 128] [--out bench/results/ddp.json] [--quick]
+
+World 2 on gloo, one thread per rank (2 ranks on 2 cores), ranks started by
+`paratrain.testing.run_on_ranks`. Two models (bench/common.py): an MLP of 18,905,098 parameters
+and a small GPT of 9,739,520. `--batch` is samples per rank: MLP rows, or transformer tokens
+(sequences of 64). Both wrappers take default arguments (torch's: bucket_cap_mb 25,
+gradient_as_bucket_view False, as a user gets it); both train with SGD(lr 1e-3, momentum 0.9) and
+`opt.zero_grad()` (set_to_none=True, the default).
+
+Phase 1, peak memory: one fresh job per (model, implementation), so the other implementation is
+never allocated and neither inherits the other's heap. Each rank fixes glibc's mmap threshold at
+64 KiB with mallopt and checks that freed blocks leave RSS (see common.py; done in the rank rather
+than by MALLOC_MMAP_THRESHOLD_, which would have to reach the forkserver shared by all jobs and
+would then add page faults to every step of the timing jobs too), builds the
+model, runs one unwrapped forward/backward so one-time allocations (oneDNN, autograd) land in the
+baseline, drops the gradients, resets the kernel's high-water mark (clear_refs), reads VmRSS,
+then wraps the model, makes the optimizer and runs 3 steps, and reads VmHWM. Reported:
+VmHWM - VmRSS before wrapping, the larger of the two ranks: everything the wrapper and training
+add (buckets, gradients, momentum, activations, collective buffers).
+
+Phase 2, speed and agreement: one job per model. Each rank wraps two deep copies of one seeded
+model, one per implementation, with an optimizer each; both see the same per-rank batches in the
+same order. After warm-up steps, `--rounds` rounds in which each implementation runs `--steps`
+timed steps, alternating which goes first (ranks meet at a barrier before each block). A step
+(forward, loss, backward, optimizer step, zero_grad) takes as long as its slowest rank; reported:
+the median over all timed steps (and each round's median, to show the noise). Also reported, as
+*_cpu_ms: the median CPU time of the training thread per step (time.thread_time, larger rank),
+which leaves out waiting for the all-reduces and for other processes, so it shows what each
+wrapper adds on the critical thread even on a busy machine. Both have then done the same steps
+from the same start, and max_param_diff is the largest |ours - torch| over all parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
+import paratrain as pt  # noqa: E402
+from common import (MODELS, SEQ, interleave, loss_of, make_batches, make_model, peak_rss_mb, print_table,  # noqa: E402
+                    reset_peak_rss, return_freed_memory_to_os, rss_mb, slowest_rank, train_step,
+                    write_json)
+from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
+
+WORLD, THREADS, LR, MEMORY_STEPS, DATA_BATCHES = 2, 1, 1e-3, 3, 4
+WRAPPERS = {"ours": pt.DistributedDataParallel, "torch": torch.nn.parallel.DistributedDataParallel}
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def peak_memory(topo, name: str, impl: str, batch: int) -> float:
+    """MiB this rank's RSS rose above its level just before wrapping (phase 1)."""
+    return_freed_memory_to_os()
+    model = make_model(name)
+    (x, y), = make_batches(name, batch, 1, seed=100 + topo.rank)
+    loss_of(model, x, y).backward()  # warm-up, unwrapped: one-time allocations join the baseline
+    model.zero_grad()
+    reset_peak_rss()
+    baseline = rss_mb()
+    ddp = WRAPPERS[impl](model)
+    opt = _optimizer(ddp)
+    for _ in range(MEMORY_STEPS):
+        train_step(ddp, opt, x, y)
+    return peak_rss_mb() - baseline
+
+
+def speed(topo, name: str, batch: int, warmup: int, rounds: int, steps: int) -> dict:
+    """Per-step seconds of each implementation and the parameter difference after (phase 2)."""
+    model = make_model(name)
+    ddps = {impl: wrap(copy.deepcopy(model)) for impl, wrap in WRAPPERS.items()}
+    opts = {impl: _optimizer(ddp) for impl, ddp in ddps.items()}
+    batches = make_batches(name, batch, DATA_BATCHES, seed=100 + topo.rank)
+    done = {impl: 0 for impl in ddps}  # steps taken: both walk the same batch sequence
+    losses, cpu = {}, {impl: [] for impl in ddps}
+
+    def run_block(impl: str, n: int) -> list[float]:
+        dist.barrier()
+        times = []
+        for _ in range(n):
+            x, y = batches[done[impl] % len(batches)]
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            losses[impl] = train_step(ddps[impl], opts[impl], x, y)
+            times.append(time.perf_counter() - start)
+            cpu[impl].append(time.thread_time() - start_cpu)
+            done[impl] += 1
+        return times
+
+    interleave(run_block, list(ddps), 1, warmup)
+    for warm in cpu.values():
+        warm.clear()  # keep the timed steps only
+    times = interleave(run_block, list(ddps), rounds, steps)
+    if done["ours"] != done["torch"] or not all(map(torch.isfinite, losses.values())):
+        raise RuntimeError(f"runs diverged: steps {done}, last losses {losses}")
+    return dict(times=times, cpu=cpu, diff=max_param_diff(ddps["ours"].module, ddps["torch"].module))
+
+
+def bench_model(name: str, args) -> dict:
+    memory = {impl: max(run_on_ranks(peak_memory, WORLD, name, impl, args.batch,
+                                     threads=THREADS, timeout=600))
+              for impl in WRAPPERS}
+    results = run_on_ranks(speed, WORLD, name, args.batch, args.warmup, args.rounds, args.steps,
+                           threads=THREADS, timeout=900, collective_timeout=300)
+    steps = {impl: slowest_rank([r["times"][impl] for r in results]) for impl in WRAPPERS}
+    ms = {impl: 1e3 * statistics.median(t) for impl, t in steps.items()}
+    cpu_ms = {f"{impl}_cpu_ms": 1e3 * max(statistics.median(r["cpu"][impl]) for r in results)
+              for impl in WRAPPERS}
+    per_round = {f"{impl}_round_ms": [1e3 * statistics.median(t[i:i + args.steps])
+                                      for i in range(0, len(t), args.steps)] for impl, t in steps.items()}
+    return dict(params=sum(p.numel() for p in make_model(name).parameters()),
+                ours_ms=ms["ours"], torch_ms=ms["torch"], ratio=ms["ours"] / ms["torch"],
+                max_param_diff=max(r["diff"] for r in results),
+                ours_peak_mb=memory["ours"], torch_peak_mb=memory["torch"], **cpu_ms, **per_round)
+
+
+def _parse_args(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation per round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first")
+    parser.add_argument("--batch", type=int, default=128,
+                        help="samples per rank: MLP rows, transformer tokens (a multiple of 64)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ddp.json"),
+                        help="where to write the JSON results")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny settings for a smoke check (options given explicitly still win)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(rounds=2, steps=2, warmup=1, batch=SEQ)
+        args = parser.parse_args(argv)
+    if args.batch <= 0 or args.batch % SEQ or min(args.rounds, args.steps) < 1 or args.warmup < 0:
+        parser.error(f"--batch must be a positive multiple of {SEQ} (the transformer's sequence "
+                     "length), --rounds and --steps at least 1, --warmup at least 0")
+    return args
+
+
+def _report(models: dict) -> None:
+    print_table([dict(model=name, **row) for name, row in models.items()],
+                [("model", "model", ""), ("params", "params", ","), ("ours_ms", "ours ms", ".1f"),
+                 ("torch_ms", "torch ms", ".1f"), ("ratio", "ratio", ".3f"),
+                 ("ours_cpu_ms", "ours cpu", ".1f"), ("torch_cpu_ms", "torch cpu", ".1f"),
+                 ("max_param_diff", "max diff", ".1e"), ("ours_peak_mb", "ours MiB", ".1f"),
+                 ("torch_peak_mb", "torch MiB", ".1f")])
+    missed = [f"{name}: {what}" for name, m in models.items() for what, ok in
+              [("ratio > 1.05", m["ratio"] <= 1.05), ("max_param_diff > 1e-6", m["max_param_diff"] <= 1e-6),
+               ("more peak memory than torch", m["ours_peak_mb"] <= m["torch_peak_mb"])] if not ok]
+    print("targets missed: " + "; ".join(missed) if missed else "all targets met")
+
+
+def main(argv=None) -> None:
+    args = _parse_args(argv)
+    load_before = os.getloadavg()
+    models = {}
+    for name in MODELS:
+        print(f"benchmarking {name} ...", flush=True)
+        models[name] = bench_model(name, args)
+    settings = dict(world=WORLD, backend="gloo", rounds=args.rounds, steps=args.steps,
+                    warmup=args.warmup, batch_per_rank=args.batch, threads_per_rank=THREADS,
+                    optimizer=f"SGD(lr={LR}, momentum=0.9)", memory_steps=MEMORY_STEPS,
+                    torch=torch.__version__, quick=args.quick,
+                    load_average_before=load_before, load_average_after=os.getloadavg())
+    write_json(args.out, dict(settings=settings, models=models))
+    _report(models)
+    print(f"wrote {args.out}; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
