@@ -94,7 +94,7 @@ class Session:
         `loader`. Returns (model, optimizer, loader), leaving out what was not passed."""
         self.model = self.strategy.wrap(model, self.topology)
         if optimizer is not None:
-            _check_optimizer_owns(optimizer, self.strategy.unwrap(self.model))
+            optimizer = self.strategy.wrap_optimizer(optimizer, self.model, self.topology)
         self.optimizer = optimizer
         out: list[Any] = [self.model]
         if optimizer is not None:
@@ -136,11 +136,10 @@ class Session:
         inputs, targets = self.to_device(batch)
         model = self._require_model()
         with self.accumulation():
-            loss = loss_fn(model(inputs), targets)
-            self.backward(loss)
+            loss = self.strategy.forward_backward(model, inputs, targets, loss_fn, 1 / self.accumulate)
         self.step()
-        self.last_loss = loss.detach()
-        return self.last_loss
+        self.last_loss = loss
+        return loss
 
     @contextlib.contextmanager
     def accumulation(self) -> Iterator[bool]:
@@ -165,7 +164,7 @@ class Session:
         if self.optimizer is None:
             raise UsageError("step() needs an optimizer: pass it to session.setup(model, optimizer)")
         if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self._require_model().parameters(), self.max_grad_norm)
+            self.strategy.clip_grad_norm(self._require_model(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True
@@ -214,15 +213,6 @@ class Session:
         if self.model is None:
             raise UsageError("call session.setup(model, optimizer, loader) before training")
         return self.model
-
-
-def _check_optimizer_owns(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    owned = {id(p) for p in model.parameters()}
-    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in owned)
-    if foreign:
-        raise ConfigError(f"the optimizer holds {foreign} tensor(s) that are not parameters of the "
-                          "model passed to setup(); create the optimizer from model.parameters() "
-                          "of the same model")
 
 
 def _batch_len(batch: Any) -> int:

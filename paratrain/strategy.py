@@ -4,7 +4,12 @@ Every strategy is a frozen dataclass with the same small surface, so `Session` n
 which one it holds:
 
 - `wrap(model, topology)`: the model the training loop calls (already on the device);
+- `wrap_optimizer(optimizer, model, topology)`: the optimizer that steps it (sharded strategies
+  rebuild or wrap it; the default checks it holds the model's parameters);
 - `no_sync(model)`: a context in which backward accumulates gradients without communicating;
+- `forward_backward(model, inputs, targets, loss_fn, scale)`: one micro-batch's forward, loss
+  and backward of `loss * scale`; returns the loss (a pipeline runs its schedule here);
+- `clip_grad_norm(model, max_norm)`: clip by the global norm (sharded strategies reduce it);
 - `data_parallel(topology)`: (replicas, this replica's index) — how the data is sharded.
 
 String shortcuts name the default instance of each (`"ddp"` is `DDP()`).
@@ -14,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ContextManager
+from typing import Any, Callable, ContextManager
 
+import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
@@ -31,8 +37,22 @@ class Strategy:
     def wrap(self, model: nn.Module, topology: Topology) -> nn.Module:
         raise NotImplementedError
 
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                       topology: Topology) -> torch.optim.Optimizer:
+        check_optimizer_owns(optimizer, self.unwrap(model))
+        return optimizer
+
     def no_sync(self, model: nn.Module) -> ContextManager:
         return contextlib.nullcontext()
+
+    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any,
+                         loss_fn: Callable[[Any, Any], torch.Tensor], scale: float) -> torch.Tensor:
+        loss = loss_fn(model(inputs), targets)
+        (loss * scale).backward()
+        return loss.detach()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     def data_parallel(self, topology: Topology) -> tuple[int, int]:
         return topology.world_size, topology.rank
@@ -88,3 +108,13 @@ def resolve(strategy: str | Strategy) -> Strategy:
         raise ConfigError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)} "
                           "or pass a strategy object such as paratrain.DDP(...)")
     return STRATEGIES[strategy]()
+
+
+def check_optimizer_owns(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """The optimizer must step the parameters of the model given to setup()."""
+    owned = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in owned)
+    if foreign:
+        raise ConfigError(f"the optimizer holds {foreign} tensor(s) that are not parameters of the "
+                          "model passed to setup(); create the optimizer from model.parameters() "
+                          "of the same model")
