@@ -20,7 +20,7 @@ class ConvBN(nn.Module):
 
     def __init__(self, classes=5):
         super().__init__()
-        self.conv = nn.Conv2d(1, 6, 3, padding=1)
+        self.conv = nn.Conv2d(1, 6, 3, padding=1, bias=False)  # a bias before BatchNorm has no effect
         self.bn = nn.BatchNorm2d(6)
         self.head = nn.Linear(6 * 4 * 3, classes)
 

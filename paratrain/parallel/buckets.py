@@ -22,6 +22,7 @@ Timeline of one backward (each bucket's all-reduce overlaps the rest of backward
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -42,19 +43,22 @@ class Bucket:
     pending: int = 0  # parameters whose gradient has not arrived in this backward
     work: dist.Work | None = None  # the in-flight all-reduce
 
-    def view(self, slot: int) -> torch.Tensor:
-        p = self.params[slot]
-        return self.buffer[self.offsets[slot]:self.offsets[slot] + p.numel()].view_as(p)
+    def view(self, slot: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """Parameter `slot`'s piece of the gradient buffer (or of another buffer of its layout)."""
+        p, flat = self.params[slot], self.buffer if buffer is None else buffer
+        return flat[self.offsets[slot]:self.offsets[slot] + p.numel()].view_as(p)
 
 
-def assign_buckets(params: list[nn.Parameter], caps_bytes: list[int]) -> list[list[nn.Parameter]]:
-    """Group `params` (already in the desired order) into buckets of one dtype and device whose
-    size stays under the cap; bucket i uses caps_bytes[min(i, len-1)]."""
+def assign_buckets(params: list[nn.Parameter], caps_bytes: list[int],
+                   kind_of: Callable[[nn.Parameter], Any] | None = None) -> list[list[nn.Parameter]]:
+    """Group `params` (already in the desired order) into buckets of one dtype and device (and one
+    `kind_of(p)`, e.g. an optimizer param group) whose size stays under the cap; bucket i uses
+    caps_bytes[min(i, len-1)]."""
     buckets: list[list[nn.Parameter]] = []
     open_by_kind: dict[tuple, list[nn.Parameter]] = {}
     size_by_kind: dict[tuple, int] = {}
     for p in params:
-        kind = (p.dtype, p.device)
+        kind = (p.dtype, p.device, kind_of(p) if kind_of else None)
         if kind not in open_by_kind:
             open_by_kind[kind], size_by_kind[kind] = [], 0
             buckets.append(open_by_kind[kind])
@@ -77,13 +81,17 @@ class GradBuckets:
     ready: set[nn.Parameter] = field(default_factory=set)  # arrived in this backward
 
     @classmethod
-    def build(cls, params: list[nn.Parameter], caps_bytes: list[int], group) -> "GradBuckets":
+    def build(cls, params: list[nn.Parameter], caps_bytes: list[int], group, *, pad_to: int = 1,
+              kind_of: Callable[[nn.Parameter], Any] | None = None) -> "GradBuckets":
+        """Buckets for `params`; each buffer is zero-padded to a multiple of `pad_to` elements
+        (sharded strategies cut every bucket into `pad_to` equal shards)."""
         buckets = []
-        for index, members in enumerate(assign_buckets(params, caps_bytes)):
+        for index, members in enumerate(assign_buckets(params, caps_bytes, kind_of)):
             offsets, total = [], 0
             for p in members:
                 offsets.append(total)
                 total += p.numel()
+            total = -(-total // pad_to) * pad_to
             buffer = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
             buckets.append(Bucket(index, members, buffer, offsets))
         grad_buckets = cls(buckets, group, dist.get_world_size(group))

@@ -85,13 +85,17 @@ class DistributedDataParallel(nn.Module):
         caps = [FIRST_BUCKET_BYTES] + [int((bucket_cap_mb or DEFAULT_BUCKET_MB) * 2**20)]
         if bucket_cap_mb_list:
             caps = [int(mb * 2**20) for mb in bucket_cap_mb_list]
-        self._buckets = GradBuckets.build(list(reversed(self._params)), caps, self.process_group)
+        self._buckets = self._build_buckets(list(reversed(self._params)), caps)
         self._sync_this_backward = False  # decided by the forward that built the graph
         self._in_backward = False
         self._unused: list[nn.Parameter] = []
         # Hooks are the mechanism: each fires once per backward, after autograd has summed
         # all contributions into p.grad (tied weights included), so p.grad is final.
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+
+    def _build_buckets(self, params: list[nn.Parameter], caps: list[int]) -> GradBuckets:
+        """The bucket layout and reduction; sharded data parallel (zero.py) overrides it."""
+        return GradBuckets.build(params, caps, self.process_group)
 
     # -- forward -------------------------------------------------------------------------------
 
