@@ -67,3 +67,39 @@ def test_zero_matches_single_process(stage, name, world, optim, accumulate):
     ref = reference(name, world, accumulate, optim)
     for state in ours:
         assert_same_params({k: state[k] for k in ref}, ref, atol=1e-5)
+
+
+def _policy(name):
+    from paratrain.parallel.fsdp import WrapPolicy
+    from torch import nn
+    return WrapPolicy(module_classes=(nn.Linear,)) if name != "bn" else WrapPolicy(min_params=40)
+
+
+def _train_stage3(topo, name, optim, accumulate):
+    model = make_model(name)
+    model, opt = pt.shard(model, _optimizer(optim, model.parameters()), stage=3, wrap_policy=_policy(name))
+    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
+    pieces = topo.world_size * accumulate
+    for step in range(STEPS):
+        for micro in range(accumulate):
+            index = topo.rank * accumulate + micro
+            x, y = xs[step].chunk(pieces)[index], ys[step].chunk(pieces)[index]
+            with model.no_sync() if micro < accumulate - 1 else _nothing():
+                (F.cross_entropy(model(x), y) / accumulate).backward()
+        opt.step()
+        opt.zero_grad()
+    return pt.full_state_dict(model), len(model.units)
+
+
+CASES3 = [(name, world, optim, 1) for name in ("mlp", "tied", "bn", "unused") for world in (2, 4)
+          for optim in ("adam", "sgd") if not (world == 4 and name in ("bn", "unused"))]
+CASES3 += [("mlp", 2, "adam", 2), ("tied", 4, "sgd", 2)]
+
+
+@pytest.mark.parametrize("name,world,optim,accumulate", CASES3)
+def test_stage3_matches_single_process(name, world, optim, accumulate):
+    ours = run_on_ranks(_train_stage3, world, name, optim, accumulate)
+    ref = reference(name, world, accumulate, optim)
+    for state, units in ours:
+        assert units > 1
+        assert_same_params({k: state[k] for k in ref}, ref, atol=1e-5)

@@ -1,0 +1,132 @@
+"""One flat, sharded piece of a model for ZeRO stage 3: the parameters of one unit (and one
+optimizer param group), flattened, zero-padded to a multiple of N, each rank keeping 1/N.
+
+Lifecycle (paired names, as in FSDP2's `FSDPParamGroup`):
+
+    start_unshard()   allocate the full buffer, launch the all-gather of every rank's shard
+    finish_unshard()  wait for it; point the modules' parameter attributes at views of it
+    reshard()         free the full buffer (its storage, so tensors autograd saved stay valid
+                      and are refilled by the next unshard before backward reads them)
+    start_grad_sync() after backward filled `full.grad`: launch its reduction to the owners
+    finish_grad_sync() wait; add this rank's slice to `shard.grad`; drop the full gradient
+
+`full` is a leaf tensor that requires grad: forward uses views of it, so autograd sums every
+use (tied weights included) into `full.grad`, and a post-accumulate-grad hook on it says when
+this piece's backward is complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.comm import _all_gather_single, _reduce_scatter_single
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one original parameter lives: its names in the model and its span in the flat buffer."""
+
+    names: tuple[str, ...]  # every dotted name the parameter has (tied weights have several)
+    owners: tuple[tuple[nn.Module, str], ...]  # (module, attribute) for each name
+    shape: torch.Size
+    offset: int
+
+
+class FlatShard:
+    """The shard this rank owns of a list of parameters, and their gathered full buffer."""
+
+    def __init__(self, slots: list[ParamSlot], values: list[torch.Tensor], *, group, rank: int,
+                 world: int, compute_dtype: torch.dtype | None = None):
+        self.slots, self.group, self.rank, self.world = slots, group, rank, world
+        self.numel = sum(s.shape.numel() for s in slots)
+        self.padded = -(-self.numel // world) * world
+        flat = torch.zeros(self.padded, dtype=values[0].dtype, device=values[0].device)
+        for slot, value in zip(slots, values):
+            flat[slot.offset:slot.offset + slot.shape.numel()].copy_(value.detach().reshape(-1))
+        self.shard = nn.Parameter(flat.view(world, -1)[rank].clone())  # (padded / N,)
+        dtype = compute_dtype or flat.dtype
+        self.full = torch.empty(self.padded, dtype=dtype, device=flat.device, requires_grad=True)
+        _free(self.full)
+        self.gathered = False
+        self._gather_work: dist.Work | None = None
+        self._reduce: tuple[dist.Work, torch.Tensor] | None = None
+
+    @property
+    def full_bytes(self) -> int:
+        return self.padded * self.full.element_size()
+
+    def start_unshard(self) -> None:
+        if self.gathered or self._gather_work is not None:
+            return
+        _alloc(self.full)
+        local = self.shard.detach().to(self.full.dtype)  # a copy: the input must not alias the output
+        self._gather_work = _all_gather_single(self.full.data, local, group=self.group, async_op=True)
+
+    def finish_unshard(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+            self.gathered = True
+
+    def point_modules_at_full(self) -> None:
+        """Set every owning module's attribute to a fresh view of `full` (made in forward, so
+        autograd records it)."""
+        for slot in self.slots:
+            view = self.full[slot.offset:slot.offset + slot.shape.numel()].view(slot.shape)
+            for module, attr in slot.owners:
+                setattr(module, attr, view)
+
+    def reshard(self) -> None:
+        if self.gathered:
+            _free(self.full)
+            self.gathered = False
+
+    def start_grad_sync(self, use_reduce_scatter: bool) -> None:
+        grad = self.full.grad
+        self.full.grad = None
+        grad.div_(self.world)  # summing pre-divided values: the mean, without fp16 overflow
+        if use_reduce_scatter:
+            out = grad.new_empty(self.padded // self.world)
+            self._reduce = (_reduce_scatter_single(out, grad, group=self.group, async_op=True), out)
+        else:  # all-reduce, keep the slice: faster than gloo's reduce-scatter (see zero.py)
+            self._reduce = (dist.all_reduce(grad, group=self.group, async_op=True),
+                            grad.view(self.world, -1)[self.rank])
+
+    def finish_grad_sync(self) -> None:
+        if self._reduce is None:
+            return
+        work, mine = self._reduce
+        work.wait()
+        self._reduce = None
+        if self.shard.grad is None:  # a copy, so the full gradient it may view is freed
+            self.shard.grad = mine.to(self.shard.dtype, copy=True)
+        else:
+            self.shard.grad.add_(mine)
+
+    @torch.no_grad()
+    def gather_values(self) -> list[torch.Tensor]:
+        """Every parameter's full value (a collective), in `slots` order."""
+        full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        _all_gather_single(full, self.shard.detach().clone(), group=self.group)
+        return [full[s.offset:s.offset + s.shape.numel()].view(s.shape).clone() for s in self.slots]
+
+    @torch.no_grad()
+    def load_values(self, values: list[torch.Tensor]) -> None:
+        """Take this rank's slice of full parameter values given in `slots` order."""
+        flat = torch.zeros(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        for slot, value in zip(self.slots, values):
+            flat[slot.offset:slot.offset + slot.shape.numel()].copy_(value.reshape(-1))
+        self.shard.copy_(flat.view(self.world, -1)[self.rank])
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor) -> None:
+    if t.untyped_storage().size() == 0:
+        t.untyped_storage().resize_(t.numel() * t.element_size())

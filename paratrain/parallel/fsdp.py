@@ -1,0 +1,310 @@
+"""ZeRO stage 3 (fully sharded data parallel): parameters, gradients and optimizer state sharded.
+
+Rajbhandari et al. 2020 §5.3 (16Ψ/N bytes per rank with fp32 Adam), and Zhao et al., "PyTorch
+FSDP: Experiences on Scaling Fully Sharded Data Parallel" (VLDB 2023) for units and prefetching.
+
+A `WrapPolicy` cuts the model into units; the root unit holds what is left. A parameter used by
+several units (tied weights) belongs to the innermost unit that contains all its users. Each
+unit keeps one `FlatShard` per optimizer param group (flat_shard.py). Per step, for unit k of K
+in forward order:
+
+    forward   pre-hook:  wait for k's all-gather, start k+1's (prefetch); point k's modules at
+                         views of the gathered buffer.   post-hook: free k (the root stays).
+    backward  hook on k's outputs: gather k again, start k-1's (prefetch).
+              post-accumulate hook on k's buffer: start reducing its gradient to the owners, free k.
+    end of backward (a callback queued on the autograd engine): wait for the reductions; each
+              shard's `.grad` now holds this rank's slice of the averaged gradient.
+
+So at most the root, the running unit and the prefetched one are gathered at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from paratrain.errors import UsageError
+from paratrain.parallel.ddp import _broadcast_coalesced
+from paratrain.parallel.flat_shard import FlatShard, ParamSlot
+
+
+@dataclass(frozen=True)
+class WrapPolicy:
+    """Which submodules become units of their own (gathered and freed on their own)."""
+
+    module_classes: tuple[type, ...] = ()  # every submodule of these classes (e.g. the blocks)
+    min_params: int = 0  # also any submodule holding at least this many not-yet-wrapped parameters
+
+    def select(self, root: nn.Module) -> list[str]:
+        """Names of the submodules to wrap, innermost first."""
+        chosen: list[str] = []
+        for name, module in reversed(list(root.named_modules())):
+            if not name:
+                continue
+            if isinstance(module, self.module_classes) or self._big_enough(name, module, chosen):
+                chosen.append(name)
+        return chosen
+
+    def _big_enough(self, name: str, module: nn.Module, chosen: list[str]) -> bool:
+        if self.min_params <= 0:
+            return False
+        inner = [c for c in chosen if c.startswith(name + ".")]
+        free = sum(p.numel() for n, p in module.named_parameters()
+                   if not any(f"{name}.{n}".startswith(c + ".") for c in inner))
+        return free >= self.min_params
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass
+class Unit:
+    name: str  # "" for the root
+    module: nn.Module
+    flats: list[FlatShard]
+    backward_started: bool = False
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO stage 3 over `process_group`. Build it with `paratrain.shard(model, optimizer, stage=3)`,
+    which also rebuilds the optimizer for the shards (the parameters it returns)."""
+
+    def __init__(self, module: nn.Module, *, group_of: dict[nn.Parameter, int] | None = None,
+                 process_group=None, wrap_policy: WrapPolicy = WrapPolicy(), prefetch: bool = True,
+                 compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        if not dist.is_initialized():
+            raise UsageError("ZeRO stage 3 needs the default process group: call "
+                             "paratrain.Topology.from_env().init() (or use paratrain.Session) first")
+        self.module, self.process_group, self.prefetch = module, process_group, prefetch
+        self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
+        self.use_reduce_scatter = dist.get_backend(process_group) == "nccl"  # see zero.py
+        _broadcast_coalesced(list(module.parameters()) + list(module.buffers()), process_group)
+        self._key_order = list(module.state_dict().keys())
+        group_of = group_of or {p: 0 for p in module.parameters()}
+        self.shard_groups: list[int] = []  # the optimizer param group of each shard
+        self.units = self._build_units(wrap_policy.select(module), group_of, compute_dtype)
+        self.shards = nn.ParameterList([f.shard for u in self.units for f in u.flats])
+        self.state = TrainingState.IDLE
+        self.sync_gradients = True  # False inside no_sync()
+        self._sync_this_backward = True  # decided by the forward that built the graph
+        self._forward_order: list[Unit] = []
+        self.peak_gathered_bytes = 0
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+            unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+            for flat in unit.flats:  # fires once per backward, after every use's gradient is summed
+                flat.full.register_post_accumulate_grad_hook(functools.partial(self._post_backward, unit, flat))
+
+    # -- construction -----------------------------------------------------------------------------
+
+    def _build_units(self, names: list[str], group_of, compute_dtype) -> list[Unit]:
+        owners = _owners_by_param(self.module)
+        by_unit: dict[str, list[nn.Parameter]] = {name: [] for name in names + [""]}
+        for p, places in owners.items():
+            by_unit[_innermost_unit([n for n, _, _ in places], names)].append(p)
+        units = []
+        for name in names + [""]:
+            module = self.module.get_submodule(name) if name else self.module
+            flats = []
+            for group in sorted({group_of[p] for p in by_unit[name]}):
+                params = [p for p in by_unit[name] if group_of[p] == group]
+                flats.append(self._flatten(params, owners, compute_dtype))
+                self.shard_groups.append(group)
+            units.append(Unit(name, module, flats))
+        return units
+
+    def _flatten(self, params, owners, compute_dtype) -> FlatShard:
+        slots, offset = [], 0
+        for p in params:
+            places = owners[p]
+            slots.append(ParamSlot(tuple(n for n, _, _ in places), tuple((m, a) for _, m, a in places),
+                                   p.shape, offset))
+            offset += p.numel()
+        flat = FlatShard(slots, [p.detach() for p in params], group=self.process_group, rank=self.rank,
+                         world=self.world, compute_dtype=compute_dtype)
+        for p in params:
+            for _, module, attr in owners[p]:
+                del module._parameters[attr]  # from now on a plain attribute, set to a view in forward
+            _release(p)
+        return flat
+
+    # -- forward ------------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.state = TrainingState.FORWARD
+        self._sync_this_backward = self.sync_gradients
+        return self.module(*args, **kwargs)
+
+    def _pre_forward(self, unit: Unit, module, args) -> None:
+        if unit.name == "" and self.state is TrainingState.IDLE:
+            raise UsageError("call the sharded model (the object shard() returned), not the module inside it")
+        if unit not in self._forward_order:
+            self._forward_order.append(unit)
+        self._unshard(unit)
+        for flat in unit.flats:
+            flat.point_modules_at_full()
+        if self.prefetch:
+            self._prefetch(unit, step=+1)
+
+    def _post_forward(self, unit: Unit, module, args, output) -> Any:
+        if unit.name:
+            self._reshard(unit)
+        else:
+            self.state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(functools.partial(self._pre_backward, unit))
+        return output
+
+    # -- backward -----------------------------------------------------------------------------------
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        # fires when the gradient of one of the unit's outputs is ready: its backward is next
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        if self.state is not TrainingState.BACKWARD:
+            self.state = TrainingState.BACKWARD
+            Variable._execution_engine.queue_callback(self._finish_backward)
+        self._unshard(unit)
+        if self.prefetch:
+            self._prefetch(unit, step=-1)
+
+    def _post_backward(self, unit: Unit, flat: FlatShard, full: torch.Tensor) -> None:
+        if self._sync_this_backward:
+            flat.start_grad_sync(self.use_reduce_scatter)
+        flat.reshard()
+
+    def _finish_backward(self) -> None:
+        for unit in self.units:
+            for flat in unit.flats:
+                flat.finish_grad_sync()
+                flat.reshard()
+            unit.backward_started = False
+        self.state = TrainingState.IDLE
+
+    # -- gathering ----------------------------------------------------------------------------------
+
+    def _unshard(self, unit: Unit) -> None:
+        for flat in unit.flats:
+            flat.start_unshard()
+        self._note_gathered()
+        for flat in unit.flats:
+            flat.finish_unshard()
+
+    def _reshard(self, unit: Unit) -> None:
+        for flat in unit.flats:
+            flat.reshard()
+
+    def _prefetch(self, unit: Unit, step: int) -> None:
+        order = self._forward_order
+        i = order.index(unit) + step
+        if 0 <= i < len(order) and order[i].name:
+            for flat in order[i].flats:
+                flat.start_unshard()
+            self._note_gathered()
+
+    def _note_gathered(self) -> None:
+        now = sum(f.full_bytes for u in self.units for f in u.flats if f.full.untyped_storage().size())
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
+
+    # -- accumulation and state ---------------------------------------------------------------------
+
+    def no_sync(self):
+        """Accumulate full gradients locally (no reduction) for the backwards inside."""
+        return _NoSync(self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for shard in self.shards:
+            shard.grad = None
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded state dict with the original keys (a collective: every rank calls it)."""
+        values = self._gathered_params()
+        buffers = self.module.state_dict()
+        return {k: values[k] if k in values else buffers[k] for k in self._key_order}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load an unsharded state dict (from `full_state_dict` or the plain model): each rank
+        keeps its slice."""
+        missing = [k for k in self._key_order if k not in state]
+        if missing:
+            raise UsageError(f"the state dict lacks {len(missing)} key(s) of this model, e.g. {missing[:3]}")
+        for unit in self.units:
+            for flat in unit.flats:
+                flat.load_values([state[s.names[0]] for s in flat.slots])
+        buffers = self.module.state_dict()
+        self.module.load_state_dict({k: state[k] for k in buffers}, strict=False)
+
+    def _gathered_params(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for unit in self.units:
+            for flat in unit.flats:
+                for slot, value in zip(flat.slots, flat.gather_values()):
+                    out.update({name: value for name in slot.names})
+        return out
+
+
+class _NoSync:
+    def __init__(self, model: FullyShardedDataParallel):
+        self.model = model
+
+    def __enter__(self):
+        self.previous, self.model.sync_gradients = self.model.sync_gradients, False
+
+    def __exit__(self, *exc):
+        self.model.sync_gradients = self.previous
+
+
+def _owners_by_param(root: nn.Module) -> dict[nn.Parameter, list[tuple[str, nn.Module, str]]]:
+    """Every (dotted name, module, attribute) under which each trainable parameter appears."""
+    owners: dict[nn.Parameter, list[tuple[str, nn.Module, str]]] = {}
+    for mod_name, module in root.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None and p.requires_grad:
+                owners.setdefault(p, []).append((f"{mod_name}.{attr}" if mod_name else attr, module, attr))
+    return owners
+
+
+def _innermost_unit(param_names: list[str], units: list[str]) -> str:
+    """The deepest unit whose subtree holds every name the parameter has ("" is the root)."""
+    inside = [u for u in units if all(n.startswith(u + ".") for n in param_names)]
+    return max(inside, key=len, default="")
+
+
+def _release(p: nn.Parameter) -> None:
+    """Free an original parameter's memory and mark it, so an optimizer made from the unsharded
+    model fails with advice instead of silently stepping nothing (see `_check_optimizer_step`)."""
+    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    p._paratrain_sharded = True
+    _install_optimizer_check()
+
+
+@functools.cache
+def _install_optimizer_check() -> None:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_check_optimizer_step)
+
+
+def _check_optimizer_step(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        if any(getattr(p, "_paratrain_sharded", False) for p in group["params"]):
+            raise UsageError(
+                "this optimizer was created from the model before ZeRO stage 3 sharded it, so it "
+                "holds parameters that no longer exist; use the optimizer that "
+                "paratrain.shard(model, optimizer, stage=3) returns (Session.setup does this), or "
+                "create it from the sharded model's parameters()")
