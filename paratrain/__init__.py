@@ -11,9 +11,10 @@ from paratrain.comm import all_gather_with_grad, broadcast_object, mean_metrics,
 from paratrain.data import DistributedSampler, partition
 from paratrain.errors import CommError, ConfigError, ParatrainError, UsageError
 from paratrain.parallel.ddp import DistributedDataParallel
+from paratrain.parallel.fsdp import WrapPolicy
 from paratrain.parallel.shard import full_state_dict, shard
 from paratrain.session import Session
-from paratrain.strategy import DDP, Single, Strategy
+from paratrain.strategy import DDP, Single, Strategy, ZeRO
 from paratrain.topology import NodeGroups, Topology, destroy, node_groups
 
 __version__ = "0.1.0"
@@ -23,6 +24,6 @@ __all__ = [
     "Topology", "NodeGroups", "destroy", "node_groups",
     "all_gather_with_grad", "broadcast_object", "mean_metrics", "ring_all_reduce",
     "DistributedSampler", "partition",
-    "DistributedDataParallel", "shard", "full_state_dict",
-    "Session", "Strategy", "Single", "DDP",
+    "DistributedDataParallel", "shard", "full_state_dict", "WrapPolicy",
+    "Session", "Strategy", "Single", "DDP", "ZeRO",
 ]

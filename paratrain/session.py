@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from paratrain.data import DistributedSampler
 from paratrain.errors import ConfigError, UsageError
+from paratrain.parallel.shard import full_state_dict
 from paratrain.strategy import Strategy, resolve
 from paratrain.topology import Topology, destroy
 
@@ -37,7 +38,8 @@ from paratrain.topology import Topology, destroy
 class Session:
     """Strategy, accumulation, clipping, progress and rank-0 printing for one training job.
 
-    strategy: a name ("single", "ddp") or a strategy object such as `paratrain.DDP(...)`.
+    strategy: a name ("single", "ddp", "zero1", "zero2", "zero3") or a strategy object such as
+        `paratrain.DDP(...)` or `paratrain.ZeRO(stage=3, wrap_policy=...)`.
     accumulate: micro-batches per optimizer step; gradients are averaged over them and
         communication happens only on the last one.
     max_grad_norm: clip the global gradient norm to this before each optimizer step.
@@ -92,9 +94,7 @@ class Session:
               loader: DataLoader | None = None):
         """Wrap `model` with the strategy, check `optimizer` holds its parameters, and shard
         `loader`. Returns (model, optimizer, loader), leaving out what was not passed."""
-        self.model = self.strategy.wrap(model, self.topology)
-        if optimizer is not None:
-            optimizer = self.strategy.wrap_optimizer(optimizer, self.model, self.topology)
+        self.model, optimizer = self.strategy.setup(model, optimizer, self.topology)
         self.optimizer = optimizer
         out: list[Any] = [self.model]
         if optimizer is not None:
@@ -125,8 +125,14 @@ class Session:
                           persistent_workers=loader.persistent_workers)
 
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
-        """The user's own model inside the strategy's wrapper (for evaluation, export)."""
+        """The user's own model inside the strategy's wrapper (for evaluation, export). Under
+        ZeRO stage 3 its parameters are gathered only inside the wrapper's forward: evaluate
+        through the wrapped model, or load `full_state_dict()` into a fresh copy."""
         return self.strategy.unwrap(model or self._require_model())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict with its own keys, on every rank (a collective)."""
+        return full_state_dict(self._require_model())
 
     # -- the step ----------------------------------------------------------------------------------
 

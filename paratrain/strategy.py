@@ -18,6 +18,7 @@ String shortcuts name the default instance of each (`"ddp"` is `DDP()`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
@@ -26,6 +27,8 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.parallel.ddp import DistributedDataParallel
+from paratrain.parallel.fsdp import WrapPolicy
+from paratrain.parallel.shard import shard
 from paratrain.topology import Topology
 
 
@@ -36,6 +39,14 @@ class Strategy:
 
     def wrap(self, model: nn.Module, topology: Topology) -> nn.Module:
         raise NotImplementedError
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+              topology: Topology) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """The wrapped model and the optimizer that steps it."""
+        model = self.wrap(model, topology)
+        if optimizer is not None:
+            optimizer = self.wrap_optimizer(optimizer, model, topology)
+        return model, optimizer
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
                        topology: Topology) -> torch.optim.Optimizer:
@@ -97,7 +108,39 @@ class DDP(Strategy):
         return model.no_sync()
 
 
-STRATEGIES: dict[str, type[Strategy]] = {"single": Single, "ddp": DDP}
+@dataclass(frozen=True)
+class ZeRO(Strategy):
+    """Sharded data parallel (ZeRO): stage 1 shards optimizer state, 2 also gradients, 3 also
+    parameters. The optimizer given to setup() is sharded (stage 1, 2) or rebuilt for the
+    shards (stage 3); use the one setup() returns."""
+
+    stage: int = 1  # 1, 2 or 3
+    bucket_cap_mb: float = 25.0  # stages 1 and 2: gradient bucket size cap
+    wrap_policy: WrapPolicy = WrapPolicy(min_params=1_000_000)  # stage 3: what becomes a unit
+    prefetch: bool = True  # stage 3: gather the next unit while this one computes
+
+    @property
+    def name(self) -> str:
+        return f"zero{self.stage}"
+
+    def setup(self, model, optimizer, topology):
+        if optimizer is None:
+            raise ConfigError(f"{self.name} shards the optimizer: pass it to setup(model, optimizer, …)")
+        return shard(model.to(topology.device), optimizer, stage=self.stage,
+                     bucket_cap_mb=self.bucket_cap_mb, wrap_policy=self.wrap_policy, prefetch=self.prefetch)
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        return model.no_sync()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return model.clip_grad_norm_(max_norm)
+
+
+STRATEGIES: dict[str, Callable[[], Strategy]] = {
+    "single": Single, "ddp": DDP,
+    "zero1": functools.partial(ZeRO, stage=1), "zero2": functools.partial(ZeRO, stage=2),
+    "zero3": functools.partial(ZeRO, stage=3),
+}
 
 
 def resolve(strategy: str | Strategy) -> Strategy:

@@ -18,6 +18,8 @@ def _dataset():
 
 
 def _train(topo, strategy, accumulate, max_grad_norm=None):
+    if strategy == "zero3-units":  # stage 3 cut into several units, one per Linear
+        strategy = pt.ZeRO(stage=3, wrap_policy=pt.WrapPolicy(module_classes=(torch.nn.Linear,)))
     session = pt.Session(strategy=strategy, accumulate=accumulate, seed=5,
                          max_grad_norm=max_grad_norm, topology=topo, progress_bar=False)
     model = make_model("mlp")
@@ -29,7 +31,7 @@ def _train(topo, strategy, accumulate, max_grad_norm=None):
         for batch in session.progress(loader):
             seen.append(batch[1].clone())
             session.train_step(batch, F.cross_entropy)
-    return session.unwrap().state_dict(), torch.cat(seen), session.epoch
+    return session.full_state_dict(), torch.cat(seen), session.epoch
 
 
 @pytest.mark.parametrize("world,accumulate,clip", [(2, 1, None), (4, 1, None), (2, 2, None),
@@ -39,6 +41,14 @@ def test_ddp_session_equals_single_session(world, accumulate, clip):
     results = run_on_ranks(_train, world, "ddp", accumulate, clip)
     for state, _, epochs in results:
         assert epochs == EPOCHS
+        assert_same_params(state, single, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "zero3-units"])
+@pytest.mark.parametrize("accumulate,clip", [(1, 0.05), (2, None)])
+def test_zero_session_equals_single_session(strategy, accumulate, clip):
+    single, _, _ = run_on_ranks(_train, 1, "single", accumulate, clip)[0]
+    for state, _, _ in run_on_ranks(_train, 2, strategy, accumulate, clip):
         assert_same_params(state, single, atol=1e-5)
 
 

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from paratrain.errors import UsageError
 from paratrain.parallel.ddp import _broadcast_coalesced
 from paratrain.parallel.flat_shard import FlatShard, ParamSlot
+from paratrain.parallel.zero import clip_sharded_grad_norm_
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,10 @@ class FullyShardedDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for shard in self.shards:
             shard.grad = None
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole (averaged) gradient, computed from the shards."""
+        return clip_sharded_grad_norm_(list(self.shards), max_norm, self.process_group)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict with the original keys (a collective: every rank calls it)."""

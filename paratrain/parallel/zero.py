@@ -136,6 +136,15 @@ class ZeroDataParallel(DistributedDataParallel):
         for work in works:
             work.wait()
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole (averaged) gradient, computed from the shards."""
+        self.attach_shard_grads()
+        return clip_sharded_grad_norm_(self.shards, max_norm, self.process_group)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict (parameters are whole on every rank in stages 1 and 2)."""
+        return self.module.state_dict()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._params:
             p.grad = None
@@ -217,3 +226,22 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, *, s
     wrapped = ZeroDataParallel(model, stage=stage, group_of=group_of, process_group=process_group,
                                bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers)
     return wrapped, ShardedOptimizer(optimizer, wrapped)
+
+
+@torch.no_grad()
+def clip_sharded_grad_norm_(shards: list[nn.Parameter], max_norm: float, group=None) -> torch.Tensor:
+    """Clip by the global gradient norm when each rank holds a disjoint slice of the gradients:
+    sum the squares of this rank's slices, all-reduce, then scale as torch's
+    `clip_grad_norm_` does (coefficient max_norm / (norm + 1e-6), clamped to 1). Zero padding
+    adds nothing to the norm."""
+    grads = [s.grad for s in shards if s.grad is not None]
+    device = shards[0].device if shards else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        squares += g.double().pow(2).sum()
+    dist.all_reduce(squares, group=group)
+    norm = squares.sqrt().float()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm
