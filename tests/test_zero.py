@@ -1,5 +1,6 @@
 """ZeRO stages on real ranks against single-process training."""
 
+import copy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,3 +104,78 @@ def test_stage3_matches_single_process(name, world, optim, accumulate):
     for state, units in ours:
         assert units > 1
         assert_same_params({k: state[k] for k in ref}, ref, atol=1e-5)
+
+
+def _sharded(name, stage, seed=0):
+    model = make_model(name, seed=seed)
+    return pt.shard(model, _optimizer("adam", model.parameters()), stage=stage, wrap_policy=_policy(name))
+
+
+def _step(model, opt, x, y):
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _round_trip(topo, name, stage):
+    xs, ys = make_batches(4, GLOBAL_BATCH)
+    mine = [(x.chunk(topo.world_size)[topo.rank], y.chunk(topo.world_size)[topo.rank]) for x, y in zip(xs, ys)]
+    model, opt = _sharded(name, stage)
+    for x, y in mine[:3]:
+        _step(model, opt, x, y)
+    # state dicts hold references to live tensors: copy them before the next step changes them
+    full, sharded, optim = copy.deepcopy((pt.full_state_dict(model), model.state_dict(), opt.state_dict()))
+    _step(model, opt, *mine[3])
+    expected = pt.full_state_dict(model)
+    results = []
+    for kind in ("full", "sharded"):  # a fresh model (other initial weights) loads the state
+        model2, opt2 = _sharded(name, stage, seed=1)
+        if kind == "full":
+            model2.load_full_state_dict(full) if stage == 3 else model2.module.load_state_dict(full)
+        else:
+            model2.load_state_dict(sharded)
+        opt2.load_state_dict(copy.deepcopy(optim))  # torch adopts the tensors it is given
+        _step(model2, opt2, *mine[3])
+        results.append(pt.full_state_dict(model2))
+    return expected, results
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_dict_round_trip_reproduces_the_next_step(stage):
+    for expected, results in run_on_ranks(_round_trip, 2, "tied", stage):
+        for got in results:
+            assert_same_params(got, expected, atol=0)
+
+
+def _stale_optimizer(topo):
+    model = make_model("mlp")
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _ = pt.shard(model, stale, stage=3)
+    xs, ys = make_batches(1, 4)
+    F.cross_entropy(model(xs[0]), ys[0]).backward()
+    stale.step()
+
+
+def test_optimizer_made_before_stage3_is_a_clear_error():
+    with pytest.raises(pt.testing.RankFailure, match="created from the model before ZeRO stage 3"):
+        run_on_ranks(_stale_optimizer, 2, timeout=60)
+
+
+def _bad_optimizers(topo, case):
+    model = make_model("mlp")
+    if case == "foreign":
+        pt.shard(model, torch.optim.SGD(make_model("mlp").parameters(), lr=0.1), stage=2)
+    elif case == "partial":
+        pt.shard(model, torch.optim.SGD(model.net[0].parameters(), lr=0.1), stage=1)
+    elif case == "lbfgs":
+        pt.shard(model, torch.optim.LBFGS(model.parameters()), stage=3)
+    elif case == "stage":
+        pt.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=4)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("foreign", "not parameters of the model"), ("partial", "does not hold 4 trainable"),
+    ("lbfgs", "LBFGS looks across whole tensors"), ("stage", "stages 1, 2 and 3; got stage=4")])
+def test_optimizer_misuse_is_a_clear_error(case, message):
+    with pytest.raises(pt.testing.RankFailure, match=message):
+        run_on_ranks(_bad_optimizers, 2, case, timeout=60)
