@@ -118,6 +118,8 @@ class ZeRO(Strategy):
     bucket_cap_mb: float = 25.0  # stages 1 and 2: gradient bucket size cap
     wrap_policy: WrapPolicy = WrapPolicy(min_params=1_000_000)  # stage 3: what becomes a unit
     prefetch: bool = True  # stage 3: gather the next unit while this one computes
+    param_dtype: torch.dtype | None = None  # stage 3: gather/compute/reduce in bf16 or fp16
+    offload: bool = False  # stage 3: shards and optimizer state in CPU memory
 
     @property
     def name(self) -> str:
@@ -127,7 +129,8 @@ class ZeRO(Strategy):
         if optimizer is None:
             raise ConfigError(f"{self.name} shards the optimizer: pass it to setup(model, optimizer, …)")
         return shard(model.to(topology.device), optimizer, stage=self.stage,
-                     bucket_cap_mb=self.bucket_cap_mb, wrap_policy=self.wrap_policy, prefetch=self.prefetch)
+                     bucket_cap_mb=self.bucket_cap_mb, wrap_policy=self.wrap_policy, prefetch=self.prefetch,
+                     param_dtype=self.param_dtype, offload=self.offload)
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         return model.no_sync()

@@ -40,16 +40,23 @@ class FlatShard:
     """The shard this rank owns of a list of parameters, and their gathered full buffer."""
 
     def __init__(self, slots: list[ParamSlot], values: list[torch.Tensor], *, group, rank: int,
-                 world: int, compute_dtype: torch.dtype | None = None):
+                 world: int, param_dtype: torch.dtype | None = None, offload: bool = False):
+        """`param_dtype`: gather, compute and reduce in it (bf16/fp16), keeping the shard and the
+        optimizer state in the parameters' own dtype (fp32 master weights). `offload`: keep the
+        shard, its gradient and so the optimizer state in CPU memory; only the gathered buffer
+        lives on the device."""
         self.slots, self.group, self.rank, self.world = slots, group, rank, world
         self.numel = sum(s.shape.numel() for s in slots)
         self.padded = -(-self.numel // world) * world
         flat = torch.zeros(self.padded, dtype=values[0].dtype, device=values[0].device)
         for slot, value in zip(slots, values):
             flat[slot.offset:slot.offset + slot.shape.numel()].copy_(value.detach().reshape(-1))
-        self.shard = nn.Parameter(flat.view(world, -1)[rank].clone())  # (padded / N,)
-        dtype = compute_dtype or flat.dtype
-        self.full = torch.empty(self.padded, dtype=dtype, device=flat.device, requires_grad=True)
+        home = torch.device("cpu") if offload else flat.device
+        pin = offload and flat.device.type == "cuda"  # page-locked, so copies can overlap compute
+        shard = flat.view(world, -1)[rank].to(home, copy=True)
+        self.shard = nn.Parameter(shard.pin_memory() if pin else shard)  # (padded / N,)
+        self.full = torch.empty(self.padded, dtype=param_dtype or flat.dtype, device=flat.device,
+                                requires_grad=True)
         _free(self.full)
         self.gathered = False
         self._gather_work: dist.Work | None = None
@@ -63,7 +70,8 @@ class FlatShard:
         if self.gathered or self._gather_work is not None:
             return
         _alloc(self.full)
-        local = self.shard.detach().to(self.full.dtype)  # a copy: the input must not alias the output
+        # always a copy (dtype, device or clone): the input must not alias the output
+        local = self.shard.detach().to(self.full.device, self.full.dtype, copy=True)
         self._gather_work = _all_gather_single(self.full.data, local, group=self.group, async_op=True)
 
     def finish_unshard(self) -> None:
@@ -103,24 +111,24 @@ class FlatShard:
         work.wait()
         self._reduce = None
         if self.shard.grad is None:  # a copy, so the full gradient it may view is freed
-            self.shard.grad = mine.to(self.shard.dtype, copy=True)
+            self.shard.grad = mine.to(self.shard.device, self.shard.dtype, copy=True)
         else:
-            self.shard.grad.add_(mine)
+            self.shard.grad.add_(mine.to(self.shard.device, self.shard.dtype))
 
     @torch.no_grad()
     def gather_values(self) -> list[torch.Tensor]:
         """Every parameter's full value (a collective), in `slots` order."""
-        full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
-        _all_gather_single(full, self.shard.detach().clone(), group=self.group)
+        full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.full.device)
+        _all_gather_single(full, self.shard.detach().to(full.device, copy=True), group=self.group)
         return [full[s.offset:s.offset + s.shape.numel()].view(s.shape).clone() for s in self.slots]
 
     @torch.no_grad()
     def load_values(self, values: list[torch.Tensor]) -> None:
         """Take this rank's slice of full parameter values given in `slots` order."""
-        flat = torch.zeros(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        flat = torch.zeros(self.padded, dtype=self.shard.dtype, device=self.full.device)
         for slot, value in zip(self.slots, values):
             flat[slot.offset:slot.offset + slot.shape.numel()].copy_(value.reshape(-1))
-        self.shard.copy_(flat.view(self.world, -1)[self.rank])
+        self.shard.copy_(flat.view(self.world, -1)[self.rank])  # (to its home device)
 
 
 def _free(t: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from paratrain.errors import UsageError
 from paratrain.parallel.ddp import _broadcast_coalesced
@@ -83,7 +83,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, group_of: dict[nn.Parameter, int] | None = None,
                  process_group=None, wrap_policy: WrapPolicy = WrapPolicy(), prefetch: bool = True,
-                 compute_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, offload: bool = False):
         super().__init__()
         if not dist.is_initialized():
             raise UsageError("ZeRO stage 3 needs the default process group: call "
@@ -95,7 +95,9 @@ class FullyShardedDataParallel(nn.Module):
         self._key_order = list(module.state_dict().keys())
         group_of = group_of or {p: 0 for p in module.parameters()}
         self.shard_groups: list[int] = []  # the optimizer param group of each shard
-        self.units = self._build_units(wrap_policy.select(module), group_of, compute_dtype)
+        self.param_dtype = param_dtype
+        self.units = self._build_units(wrap_policy.select(module), group_of, dict(param_dtype=param_dtype,
+                                                                                  offload=offload))
         self.shards = nn.ParameterList([f.shard for u in self.units for f in u.flats])
         self.state = TrainingState.IDLE
         self.sync_gradients = True  # False inside no_sync()
@@ -110,7 +112,7 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- construction -----------------------------------------------------------------------------
 
-    def _build_units(self, names: list[str], group_of, compute_dtype) -> list[Unit]:
+    def _build_units(self, names: list[str], group_of, flat_options: dict) -> list[Unit]:
         owners = _owners_by_param(self.module)
         by_unit: dict[str, list[nn.Parameter]] = {name: [] for name in names + [""]}
         for p, places in owners.items():
@@ -121,12 +123,12 @@ class FullyShardedDataParallel(nn.Module):
             flats = []
             for group in sorted({group_of[p] for p in by_unit[name]}):
                 params = [p for p in by_unit[name] if group_of[p] == group]
-                flats.append(self._flatten(params, owners, compute_dtype))
+                flats.append(self._flatten(params, owners, flat_options))
                 self.shard_groups.append(group)
             units.append(Unit(name, module, flats))
         return units
 
-    def _flatten(self, params, owners, compute_dtype) -> FlatShard:
+    def _flatten(self, params, owners, flat_options: dict) -> FlatShard:
         slots, offset = [], 0
         for p in params:
             places = owners[p]
@@ -134,7 +136,7 @@ class FullyShardedDataParallel(nn.Module):
                                    p.shape, offset))
             offset += p.numel()
         flat = FlatShard(slots, [p.detach() for p in params], group=self.process_group, rank=self.rank,
-                         world=self.world, compute_dtype=compute_dtype)
+                         world=self.world, **flat_options)
         for p in params:
             for _, module, attr in owners[p]:
                 del module._parameters[attr]  # from now on a plain attribute, set to a view in forward
@@ -146,7 +148,12 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.state = TrainingState.FORWARD
         self._sync_this_backward = self.sync_gradients
+        if self.param_dtype is not None:  # inputs in the dtype the gathered parameters have
+            args, kwargs = tree_map(self._cast, (args, kwargs))
         return self.module(*args, **kwargs)
+
+    def _cast(self, x: Any) -> Any:
+        return x.to(self.param_dtype) if torch.is_tensor(x) and x.is_floating_point() else x
 
     def _pre_forward(self, unit: Unit, module, args) -> None:
         if unit.name == "" and self.state is TrainingState.IDLE:

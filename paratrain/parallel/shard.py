@@ -12,23 +12,28 @@ from paratrain.parallel.zero import _check_elementwise, param_groups_of, shard_d
 
 def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, process_group=None,
           bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
-          wrap_policy: WrapPolicy = WrapPolicy(), prefetch: bool = True):
+          wrap_policy: WrapPolicy = WrapPolicy(), prefetch: bool = True,
+          param_dtype: torch.dtype | None = None, offload: bool = False):
     """Shard `model` (already on this rank's device) and `optimizer` (made from its parameters)
     over the data-parallel group. Returns (model, optimizer): train with those two, as usual.
 
     stage 1: optimizer state sharded; stage 2: gradients too; stage 3: parameters too, gathered
     unit by unit (`wrap_policy`) just before use. For stages 1 and 2 the model's parameters stay
     whole on every rank; for stage 3 the returned optimizer is a new one of the same class and
-    hyperparameters holding the shards, and the old one must not be used.
+    hyperparameters holding the shards, and the old one must not be used. Stage 3 also takes
+    `param_dtype` (gather, compute and reduce in bf16/fp16 while the shards and the optimizer
+    state stay fp32) and `offload` (shards, gradients and optimizer state in CPU memory).
     """
     if stage in (1, 2):
+        if param_dtype is not None or offload:
+            raise ConfigError(f"param_dtype and offload are implemented for stage 3; got stage {stage}")
         return shard_data_parallel(model, optimizer, stage=stage, process_group=process_group,
                                    bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers)
     if stage == 3:
         _check_elementwise(optimizer)
         wrapped = FullyShardedDataParallel(model, group_of=param_groups_of(model, optimizer),
                                            process_group=process_group, wrap_policy=wrap_policy,
-                                           prefetch=prefetch)
+                                           prefetch=prefetch, param_dtype=param_dtype, offload=offload)
         return wrapped, rebuild_optimizer(optimizer, list(wrapped.shards), wrapped.shard_groups)
     raise ConfigError(f"ZeRO has stages 1, 2 and 3; got stage={stage!r}")
 
