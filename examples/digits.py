@@ -80,7 +80,7 @@ def save_results(out: str, rows: list[dict], losses: list[float]) -> None:
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="ddp", help="single | ddp")
+    parser.add_argument("--strategy", default="ddp", help="single | ddp | zero1 | zero2 | zero3")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, over all ranks")
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -102,13 +102,13 @@ def main(argv: list[str] | None = None) -> float:
             epoch_losses.append(session.train_step(batch, F.cross_entropy).item())
         losses += epoch_losses
         mean_loss = pt.mean_metrics(sum(epoch_losses) / len(epoch_losses))
-        test_acc = accuracy(session.unwrap(model), test)
+        test_acc = accuracy(model, test)  # through the wrapper, on every rank (ZeRO-3 gathers there)
         rows.append(dict(epoch=epoch, loss=round(mean_loss, 6), test_accuracy=round(test_acc, 4),
                          samples_per_s=round(session.samples_per_second, 1)))
         session.print(f"epoch {epoch}: loss {mean_loss:.4f}  test accuracy {test_acc:.4f}  "
                       f"{session.samples_per_second:.0f} samples/s")
     elapsed = time.perf_counter() - start
-    test_acc = accuracy(session.unwrap(model), test)
+    test_acc = accuracy(model, test)
     session.print(f"test accuracy: {test_acc:.4f}")
     session.print(f"samples per second: {len(train) * args.epochs / elapsed:.0f} "
                   f"({session.world_size} process(es), strategy {args.strategy}, {elapsed:.1f} s)")
