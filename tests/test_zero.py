@@ -229,3 +229,19 @@ def test_stage3_offload_matches_single_process():
     for state, dtypes, _ in run_on_ranks(_train_mixed, 2, True, None):
         assert dtypes == {"torch.float32"}
         assert_same_params({k: state[k] for k in ref}, ref, atol=1e-5)
+
+
+def _evaluate(topo):
+    model, _ = _sharded("tied", 3)
+    x = make_batches(1, 4)[0][0]
+    with torch.no_grad():
+        out = model(x)
+    gathered = [f.full.untyped_storage().size() for u in model.units for f in u.flats]
+    return out, gathered
+
+
+def test_stage3_inference_gathers_then_frees_every_unit():
+    expected = make_model("tied")(make_batches(1, 4)[0][0]).detach()
+    for out, gathered in run_on_ranks(_evaluate, 2):
+        assert torch.allclose(out, expected, atol=1e-6)
+        assert gathered and all(size == 0 for size in gathered)

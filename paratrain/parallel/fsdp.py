@@ -167,9 +167,9 @@ class FullyShardedDataParallel(nn.Module):
             self._prefetch(unit, step=+1)
 
     def _post_forward(self, unit: Unit, module, args, output) -> Any:
-        if unit.name:
+        if unit.name or not torch.is_grad_enabled():  # the root stays gathered for backward
             self._reshard(unit)
-        else:
+        if not unit.name:
             self.state = TrainingState.IDLE
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
