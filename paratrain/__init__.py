@@ -8,9 +8,12 @@
 """
 
 from paratrain.comm import all_gather_with_grad, broadcast_object, mean_metrics, ring_all_reduce
+from paratrain.contrastive import Gathered, gather_embeddings, nt_xent_loss
 from paratrain.data import DistributedSampler, partition
 from paratrain.errors import CommError, ConfigError, ParatrainError, UsageError
 from paratrain.parallel.ddp import DistributedDataParallel
+from paratrain.parallel.dp import DP, DataParallel
+from paratrain.parallel.hierarchical import Hierarchical, HierarchicalDataParallel
 from paratrain.parallel.fsdp import WrapPolicy
 from paratrain.parallel.shard import full_state_dict, shard
 from paratrain.session import Session
@@ -23,7 +26,9 @@ __all__ = [
     "CommError", "ConfigError", "ParatrainError", "UsageError",
     "Topology", "NodeGroups", "destroy", "node_groups",
     "all_gather_with_grad", "broadcast_object", "mean_metrics", "ring_all_reduce",
+    "gather_embeddings", "nt_xent_loss", "Gathered",
     "DistributedSampler", "partition",
-    "DistributedDataParallel", "shard", "full_state_dict", "WrapPolicy",
-    "Session", "Strategy", "Single", "DDP", "ZeRO",
+    "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel",
+    "shard", "full_state_dict", "WrapPolicy",
+    "Session", "Strategy", "Single", "DP", "DDP", "Hierarchical", "ZeRO",
 ]

@@ -29,10 +29,10 @@ from paratrain.errors import ConfigError, UsageError
 
 SUM = dist.ReduceOp.SUM
 
-# torch 2.13 deprecates `all_gather_into_tensor`/`reduce_scatter_tensor` in favour of the
-# `_single` names; torch 2.4 has only the old ones.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# One flat tensor in, one out: torch 2.13 deprecates `all_gather_into_tensor`/`reduce_scatter_tensor`
+# in favour of the `_single` names; torch 2.4 has only the old ones. Same arguments as torch's.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -108,7 +108,7 @@ def all_reduce(tensor: torch.Tensor, op=SUM, group=None, *, average: bool = Fals
     _check_average(tensor, op, average, "all_reduce")
     n = dist.get_world_size(group)
     dist.all_reduce(tensor, op=op, group=group)
-    _count(counter, _ring_bytes(tensor.numel(), tensor.element_size(), n, phases=2))
+    _count(counter, ring_bytes(tensor.numel(), tensor.element_size(), n, phases=2))
     # sum then divide: gloo has no ReduceOp.AVG (only nccl does)
     return tensor.div_(n) if average else tensor
 
@@ -131,8 +131,8 @@ def all_gather_cat(tensor: torch.Tensor, group=None, dim: int = 0, *,
     n = dist.get_world_size(group)
     local = tensor.movedim(dim, 0).contiguous()  # (rows, ...): rank blocks stack along dim 0
     out = local.new_empty((n * local.shape[0], *local.shape[1:]))  # (n·rows, ...)
-    _all_gather_single(out, local, group=group)
-    _count(counter, _ring_bytes(out.numel(), out.element_size(), n, phases=1))
+    all_gather_single(out, local, group=group)
+    _count(counter, ring_bytes(out.numel(), out.element_size(), n, phases=1))
     return out.movedim(0, dim)
 
 
@@ -165,8 +165,8 @@ def reduce_scatter(tensor: torch.Tensor, op=SUM, group=None, *, average: bool = 
         raise UsageError(f"reduce_scatter splits dim 0 of a {tuple(tensor.shape)} tensor into {n} "
                          f"equal chunks; pad dim 0 to a multiple of {n} first")
     out = tensor.new_empty((tensor.shape[0] // n, *tensor.shape[1:]))
-    _reduce_scatter_single(out, tensor.contiguous(), op=op, group=group)
-    _count(counter, _ring_bytes(tensor.numel(), tensor.element_size(), n, phases=1))
+    reduce_scatter_single(out, tensor.contiguous(), op=op, group=group)
+    _count(counter, ring_bytes(tensor.numel(), tensor.element_size(), n, phases=1))
     return out.div_(n) if average else out
 
 
@@ -272,7 +272,7 @@ def _exchange(outgoing: torch.Tensor, incoming: torch.Tensor, right: int, left: 
 
 # ---- small pieces --------------------------------------------------------------------------
 
-def _ring_bytes(numel: int, element_size: int, n: int, phases: int) -> int:
+def ring_bytes(numel: int, element_size: int, n: int, phases: int) -> int:
     """Bytes one rank sends in `phases` ring phases over `numel` elements padded to N chunks."""
     return phases * (n - 1) * -(-numel // n) * element_size
 

@@ -28,17 +28,18 @@ from torch.utils.data import DataLoader, RandomSampler
 from torch.utils._pytree import tree_flatten, tree_map
 from tqdm.auto import tqdm
 
+from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.data import DistributedSampler
 from paratrain.errors import ConfigError, UsageError
 from paratrain.parallel.shard import full_state_dict
 from paratrain.strategy import Strategy, resolve
-from paratrain.topology import Topology, destroy
+from paratrain.topology import NodeGroups, Topology, destroy, node_groups
 
 
 class Session:
     """Strategy, accumulation, clipping, progress and rank-0 printing for one training job.
 
-    strategy: a name ("single", "ddp", "zero1", "zero2", "zero3") or a strategy object such as
+    strategy: a name ("single", "dp", "ddp", "hierarchical", "zero1", "zero2", "zero3") or an object such as
         `paratrain.DDP(...)` or `paratrain.ZeRO(stage=3, wrap_policy=...)`.
     accumulate: micro-batches per optimizer step; gradients are averaged over them and
         communication happens only on the last one.
@@ -63,6 +64,7 @@ class Session:
         self.micro_step = 0  # micro-batches seen; an optimizer step every `accumulate`
         self.last_loss: torch.Tensor | None = None
         self.samples_per_second = 0.0  # global throughput of the last progress() loop
+        self._node_groups: NodeGroups | None = None  # built on first use (contrastive gathers)
         torch.manual_seed(seed)
 
     # -- facts about the job -------------------------------------------------------------------
@@ -129,6 +131,15 @@ class Session:
         ZeRO stage 3 its parameters are gathered only inside the wrapper's forward: evaluate
         through the wrapped model, or load `full_state_dict()` into a fresh copy."""
         return self.strategy.unwrap(model or self._require_model())
+
+    def gather_embeddings(self, x: torch.Tensor, scope: str = "world") -> Gathered:
+        """Every rank's rows of `x` ("world"), this node's ranks' ("node") or this rank's own
+        ("local"), differentiable: gradients go back to each row's rank. For contrastive losses
+        with negatives from every rank: `pt.nt_xent_loss(z1, z2, gather=session.gather_embeddings)`.
+        A collective: every rank calls it."""
+        if scope == "node" and self._node_groups is None:
+            self._node_groups = node_groups(self.topology)  # collective, like this call
+        return gather_embeddings(x, scope=scope, groups=self._node_groups)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict with its own keys, on every rank (a collective)."""

@@ -139,21 +139,26 @@ class ZeRO(Strategy):
         return model.clip_grad_norm_(max_norm)
 
 
-STRATEGIES: dict[str, Callable[[], Strategy]] = {
-    "single": Single, "ddp": DDP,
-    "zero1": functools.partial(ZeRO, stage=1), "zero2": functools.partial(ZeRO, stage=2),
-    "zero3": functools.partial(ZeRO, stage=3),
-}
+def strategies() -> dict[str, Callable[[], Strategy]]:
+    """Each strategy name and the factory of its default object."""
+    # imported here, not at the top: these modules import `Strategy` from this one
+    from paratrain.parallel.dp import DP
+    from paratrain.parallel.hierarchical import Hierarchical
+
+    return {"single": Single, "dp": DP, "ddp": DDP, "hierarchical": Hierarchical,
+            "zero1": functools.partial(ZeRO, stage=1), "zero2": functools.partial(ZeRO, stage=2),
+            "zero3": functools.partial(ZeRO, stage=3)}
 
 
 def resolve(strategy: str | Strategy) -> Strategy:
     """A strategy object from a name or an object."""
     if isinstance(strategy, Strategy):
         return strategy
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)} "
+    known = strategies()
+    if strategy not in known:
+        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {sorted(known)} "
                           "or pass a strategy object such as paratrain.DDP(...)")
-    return STRATEGIES[strategy]()
+    return known[strategy]()
 
 
 def check_optimizer_owns(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

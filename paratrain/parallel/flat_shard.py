@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import _all_gather_single, _reduce_scatter_single
+from paratrain.comm import all_gather_single, reduce_scatter_single
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class FlatShard:
         _alloc(self.full)
         # always a copy (dtype, device or clone): the input must not alias the output
         local = self.shard.detach().to(self.full.device, self.full.dtype, copy=True)
-        self._gather_work = _all_gather_single(self.full.data, local, group=self.group, async_op=True)
+        self._gather_work = all_gather_single(self.full.data, local, group=self.group, async_op=True)
 
     def finish_unshard(self) -> None:
         if self._gather_work is not None:
@@ -99,7 +99,7 @@ class FlatShard:
         grad.div_(self.world)  # summing pre-divided values: the mean, without fp16 overflow
         if use_reduce_scatter:
             out = grad.new_empty(self.padded // self.world)
-            self._reduce = (_reduce_scatter_single(out, grad, group=self.group, async_op=True), out)
+            self._reduce = (reduce_scatter_single(out, grad, group=self.group, async_op=True), out)
         else:  # all-reduce, keep the slice: faster than gloo's reduce-scatter (see zero.py)
             self._reduce = (dist.all_reduce(grad, group=self.group, async_op=True),
                             grad.view(self.world, -1)[self.rank])
@@ -119,7 +119,7 @@ class FlatShard:
     def gather_values(self) -> list[torch.Tensor]:
         """Every parameter's full value (a collective), in `slots` order."""
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.full.device)
-        _all_gather_single(full, self.shard.detach().to(full.device, copy=True), group=self.group)
+        all_gather_single(full, self.shard.detach().to(full.device, copy=True), group=self.group)
         return [full[s.offset:s.offset + s.shape.numel()].view(s.shape).clone() for s in self.slots]
 
     @torch.no_grad()

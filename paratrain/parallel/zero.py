@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import _all_gather_single, _reduce_scatter_single
+from paratrain.comm import all_gather_single, reduce_scatter_single
 from paratrain.errors import ConfigError
 from paratrain.parallel.buckets import Bucket, GradBuckets
 from paratrain.parallel.ddp import DistributedDataParallel
@@ -56,7 +56,7 @@ class ShardedGradBuckets(GradBuckets):
         if not self.reduce_scatter:
             return super().start_grad_sync(bucket)
         out = self._scattered[bucket.index] = bucket.buffer.new_empty(bucket.buffer.numel() // self.world_size)
-        bucket.work = _reduce_scatter_single(out, bucket.buffer, group=self.group, async_op=True)
+        bucket.work = reduce_scatter_single(out, bucket.buffer, group=self.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         for bucket in self.buckets:
@@ -131,7 +131,7 @@ class ZeroDataParallel(DistributedDataParallel):
 
     def gather_params(self) -> None:
         """Every rank's updated slices into every rank's flat parameters (one all-gather each)."""
-        works = [_all_gather_single(buf, shard.detach().clone(), group=self.process_group, async_op=True)
+        works = [all_gather_single(buf, shard.detach().clone(), group=self.process_group, async_op=True)
                  for buf, shard in zip(self.param_buffers, self.shards)]
         for work in works:
             work.wait()

@@ -1,0 +1,121 @@
+"""Hierarchical DP training on this rank, against flat DDP on the same rank, and its references.
+
+Used twice: `run_on_ranks(train_cases, …)` with simulated nodes, and as a script started by two
+real `paratrain run --nnodes 2 --node-rank I` invocations (each rank saves its results to
+OUT/rank{R}.pt):
+
+    paratrain run --nnodes 2 --node-rank I -n 2 --master-addr 127.0.0.1 --master-port P \
+        tests/hierarchical_worker.py OUT
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py, when run as a script
+import paratrain as pt  # noqa: E402
+from models import make_batches, make_model  # noqa: E402
+from paratrain.comm import ByteCounter, ring_all_reduce  # noqa: E402
+from paratrain.parallel.hierarchical import HierarchicalDataParallel  # noqa: E402
+
+STEPS, GLOBAL_BATCH = 3, 16
+TINY_BUCKETS = [0.0005]  # MiB: ~500-byte buckets, so many are in flight at once
+# (model, accumulate, optimizer, bucket caps)
+CASES = [("mlp", 1, "sgd", TINY_BUCKETS), ("bn", 1, "sgd", None), ("tied", 2, "adam", TINY_BUCKETS),
+         ("unused", 1, "sgd", TINY_BUCKETS), ("mlp", 2, "sgd", None)]
+
+
+def optimizer(kind, params):
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def train(topo, wrapper, name, accumulate, optim, caps, groups=None):
+    """STEPS steps on this rank's share of each global batch; returns (state, bytes sent)."""
+    kwargs = dict(find_unused_parameters=name == "unused", bucket_cap_mb_list=caps)
+    if wrapper == "hierarchical":
+        model = HierarchicalDataParallel(make_model(name), topology=topo, groups=groups, **kwargs)
+    else:
+        model = pt.DistributedDataParallel(make_model(name), **kwargs)
+    opt = optimizer(optim, model.parameters())
+    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
+    pieces = topo.world_size * accumulate
+    for step in range(STEPS):
+        for micro in range(accumulate):
+            index = topo.rank * accumulate + micro
+            x, y = xs[step].chunk(pieces)[index], ys[step].chunk(pieces)[index]
+            with model.no_sync() if micro < accumulate - 1 else _nothing():
+                (F.cross_entropy(model(x), y) / accumulate).backward()
+        opt.step()
+        opt.zero_grad()
+    sent = model.bytes_sent if wrapper == "hierarchical" else None
+    return {k: v.clone() for k, v in model.module.state_dict().items()}, sent
+
+
+def reference(name, world, accumulate, optim):
+    """One process on the same global batches; BatchNorm sees the ranks' pieces (each piece its
+    own statistics), so the batch is cut the same way and the losses averaged."""
+    model = make_model(name)
+    opt = optimizer(optim, model.parameters())
+    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
+    pieces = world * accumulate if name == "bn" else 1
+    for step in range(STEPS):
+        for x, y in zip(xs[step].chunk(pieces), ys[step].chunk(pieces)):
+            (F.cross_entropy(model(x), y) / pieces).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def flat_ring_cross_node_bytes(topo, numel):
+    """Bytes this rank sends across a node boundary in a flat ring all-reduce of `numel` floats
+    over the world in rank order: all it sends goes to rank+1, another node or not."""
+    counter = ByteCounter()
+    ring_all_reduce(torch.ones(numel), counter=counter)
+    right = (topo.rank + 1) % topo.world_size
+    return counter.sent if right // topo.local_world_size != topo.node_rank else 0
+
+
+def train_cases(topo):
+    """Every case with both wrappers; plus what crossing nodes cost for one MLP backward."""
+    groups = pt.node_groups(topo)
+    out = {}
+    for name, accumulate, optim, caps in CASES:
+        key = f"{name}-acc{accumulate}-{optim}"
+        hier, _ = train(topo, "hierarchical", name, accumulate, optim, caps, groups)
+        flat, _ = train(topo, "flat", name, accumulate, optim, caps)
+        out[key] = dict(hierarchical=hier, flat=flat)
+    out["bytes"] = one_backward_bytes(topo, groups)
+    out["where"] = (topo.rank, topo.node_rank, topo.num_nodes, topo.local_world_size)
+    return out
+
+
+def one_backward_bytes(topo, groups):
+    """Bytes of one MLP backward, one bucket: hierarchical (counted by the wrapper) and a flat
+    ring all-reduce of the same gradient (counted by the reference ring)."""
+    model = HierarchicalDataParallel(make_model("mlp"), topology=topo, groups=groups)
+    xs, ys = make_batches(1, GLOBAL_BATCH)
+    F.cross_entropy(model(xs[0]), ys[0]).backward()
+    numel = sum(p.numel() for p in model.parameters())
+    dist.barrier()
+    return dict(numel=numel, inter=model.bytes_sent.inter_node.sent,
+                intra=model.bytes_sent.intra_node.sent, flat=flat_ring_cross_node_bytes(topo, numel))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    topo = pt.Topology.from_env().init(timeout=60)
+    result = train_cases(topo)
+    torch.save(result, os.path.join(sys.argv[1], f"rank{topo.rank}.pt"))
+    pt.destroy()
