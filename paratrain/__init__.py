@@ -14,6 +14,8 @@ from paratrain.errors import CommError, ConfigError, ParatrainError, UsageError
 from paratrain.parallel.ddp import DistributedDataParallel
 from paratrain.parallel.dp import DP, DataParallel
 from paratrain.parallel.hierarchical import Hierarchical, HierarchicalDataParallel
+from paratrain.parallel.model_parallel import LayersOnDevices, ModelParallel
+from paratrain.parallel.pipeline import Pipeline, PipelineStage
 from paratrain.parallel.fsdp import WrapPolicy
 from paratrain.parallel.shard import full_state_dict, shard
 from paratrain.session import Session
@@ -28,7 +30,8 @@ __all__ = [
     "all_gather_with_grad", "broadcast_object", "mean_metrics", "ring_all_reduce",
     "gather_embeddings", "nt_xent_loss", "Gathered",
     "DistributedSampler", "partition",
-    "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel",
+    "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel", "LayersOnDevices",
+    "PipelineStage",
     "shard", "full_state_dict", "WrapPolicy",
-    "Session", "Strategy", "Single", "DP", "DDP", "Hierarchical", "ZeRO",
+    "Session", "Strategy", "Single", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
 ]

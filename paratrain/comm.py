@@ -170,6 +170,23 @@ def reduce_scatter(tensor: torch.Tensor, op=SUM, group=None, *, average: bool = 
     return out.div_(n) if average else out
 
 
+def broadcast_coalesced(tensors: list[torch.Tensor], group=None, src: int = 0) -> None:
+    """Overwrite `tensors` on every rank with rank `src`'s, in one message per dtype and device
+    (torch's DDP does the same in `_broadcast_coalesced`, to pay one latency, not one per tensor)."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    global_src = global_rank(group, src)
+    for same in by_kind.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        dist.broadcast(flat, src=global_src, group=group)
+        offset = 0
+        with torch.no_grad():
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
 # ---- what torch lacks ----------------------------------------------------------------------
 
 def all_gather_with_grad(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:

@@ -39,7 +39,8 @@ from paratrain.topology import NodeGroups, Topology, destroy, node_groups
 class Session:
     """Strategy, accumulation, clipping, progress and rank-0 printing for one training job.
 
-    strategy: a name ("single", "dp", "ddp", "hierarchical", "zero1", "zero2", "zero3") or an object such as
+    strategy: a name ("single", "dp", "ddp", "hierarchical", "zero1", "zero2", "zero3",
+        "model-parallel", "pipeline") or an object such as
         `paratrain.DDP(...)` or `paratrain.ZeRO(stage=3, wrap_policy=...)`.
     accumulate: micro-batches per optimizer step; gradients are averaged over them and
         communication happens only on the last one.

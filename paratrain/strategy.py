@@ -144,10 +144,13 @@ def strategies() -> dict[str, Callable[[], Strategy]]:
     # imported here, not at the top: these modules import `Strategy` from this one
     from paratrain.parallel.dp import DP
     from paratrain.parallel.hierarchical import Hierarchical
+    from paratrain.parallel.model_parallel import ModelParallel
+    from paratrain.parallel.pipeline import Pipeline
 
     return {"single": Single, "dp": DP, "ddp": DDP, "hierarchical": Hierarchical,
             "zero1": functools.partial(ZeRO, stage=1), "zero2": functools.partial(ZeRO, stage=2),
-            "zero3": functools.partial(ZeRO, stage=3)}
+            "zero3": functools.partial(ZeRO, stage=3), "model-parallel": ModelParallel,
+            "pipeline": Pipeline}
 
 
 def resolve(strategy: str | Strategy) -> Strategy:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
+from paratrain.comm import broadcast_coalesced
 from paratrain.errors import ConfigError, UsageError
 from paratrain.parallel.buckets import DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, GradBuckets
 
@@ -79,9 +80,9 @@ class DistributedDataParallel(nn.Module):
         self._names = {p: n for n, p in module.named_parameters()}
         if init_sync:
             self._check_same_model_everywhere()
-            _broadcast_coalesced(list(module.parameters()), self.process_group)
+            broadcast_coalesced(list(module.parameters()), self.process_group)
             if broadcast_buffers is not False:
-                _broadcast_coalesced(list(module.buffers()), self.process_group)
+                broadcast_coalesced(list(module.buffers()), self.process_group)
         caps = [FIRST_BUCKET_BYTES] + [int((bucket_cap_mb or DEFAULT_BUCKET_MB) * 2**20)]
         if bucket_cap_mb_list:
             caps = [int(mb * 2**20) for mb in bucket_cap_mb_list]
@@ -105,7 +106,7 @@ class DistributedDataParallel(nn.Module):
                 else torch.device(self.device_ids[0])
             inputs, kwargs = tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, (inputs, kwargs))
         if self.broadcast_buffers:
-            _broadcast_coalesced(list(self.module.buffers()), self.process_group)
+            broadcast_coalesced(list(self.module.buffers()), self.process_group)
         output = self.module(*inputs, **kwargs)
         self._sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._in_backward = False
@@ -206,20 +207,3 @@ def _params_reached_from(output: Any) -> set[torch.Tensor]:
             leaves.add(fn.variable)
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return leaves
-
-
-def _broadcast_coalesced(tensors: list[torch.Tensor], group, src: int = 0) -> None:
-    """Broadcast rank `src`'s tensors in one message per dtype and device (torch does the same
-    in `_broadcast_coalesced`, to avoid one latency per small tensor)."""
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    global_src = dist.get_global_rank(group, src) if group is not None else src
-    for same in by_kind.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
-        dist.broadcast(flat, src=global_src, group=group)
-        offset = 0
-        with torch.no_grad():
-            for t in same:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()

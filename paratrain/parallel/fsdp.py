@@ -31,8 +31,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
+from paratrain.comm import broadcast_coalesced
 from paratrain.errors import UsageError
-from paratrain.parallel.ddp import _broadcast_coalesced
 from paratrain.parallel.flat_shard import FlatShard, ParamSlot
 from paratrain.parallel.zero import clip_sharded_grad_norm_
 
@@ -91,7 +91,7 @@ class FullyShardedDataParallel(nn.Module):
         self.module, self.process_group, self.prefetch = module, process_group, prefetch
         self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.use_reduce_scatter = dist.get_backend(process_group) == "nccl"  # see zero.py
-        _broadcast_coalesced(list(module.parameters()) + list(module.buffers()), process_group)
+        broadcast_coalesced(list(module.parameters()) + list(module.buffers()), process_group)
         self._key_order = list(module.state_dict().keys())
         group_of = group_of or {p: 0 for p in module.parameters()}
         self.shard_groups: list[int] = []  # the optimizer param group of each shard

@@ -1,0 +1,151 @@
+"""Pipeline communication: activations forward to the next stage, their gradients back.
+
+A stage exchanges tensors only with its two neighbours in the pipeline group (peers are ranks
+inside that group, as everywhere in paratrain.comm). Four moves, named after picotron's
+pp_communications and Megatron-LM's p2p_communication:
+
+    recv_forward / send_forward     activation of a micro-batch from stage s-1 / to stage s+1
+    recv_backward / send_backward   gradient of that activation from stage s+1 / to stage s-1
+
+and the two fused moves of 1F1B's steady state, which post their receive before their send
+(a receive already waiting can never be the one that blocks the peer's send). At the ends of the
+pipeline the moves do nothing and receives return None, so schedules never test for first/last.
+
+[Note: shapes agreed once]
+A receiver must allocate its buffer before the data arrives, so it must know the shape and dtype.
+The first time an input shape is seen, each stage sends the next a small header (number of
+dimensions, dtype, shape) ahead of the first activation; the receiver caches it under that input
+shape, which every stage of a replica knows because every stage is given the same batch. Later
+steps with that input shape send no header. A gradient has its activation's shape, so backward
+needs no header. Micro-batches of one step are equal (the batch must divide evenly), so one shape
+serves the whole step.
+
+Sends are asynchronous (`isend`): a stage computes while its outputs travel. Finished sends are
+dropped whenever a new one starts (releasing their tensors), and `wait_sends()` waits for the rest
+at the end of the step. Every receive waits on the backend's own timeout for the group (no
+sleeping, no polling).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+import torch.distributed as dist
+
+from paratrain import comm
+from paratrain.errors import UsageError
+
+# floating only: every activation carries a gradient back
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+_MAX_DIMS = 8
+_HEADER = 2 + _MAX_DIMS  # (ndim, dtype index, shape padded with zeros)
+
+
+class StageLinks:
+    """The p2p moves of stage `stage` of `stages`, whose ranks form the pipeline `group`."""
+
+    def __init__(self, group: dist.ProcessGroup | None, stage: int, stages: int, device: torch.device):
+        self.group, self.stage, self.stages, self.device = group, stage, stages, device
+        self.is_first, self.is_last = stage == 0, stage == stages - 1
+        self._in_shapes: dict[Hashable, tuple[torch.Size, torch.dtype]] = {}  # input shape → activation in
+        self._announced: set[Hashable] = set()  # input shapes whose header went to the next stage
+        self._key: Hashable = None  # this step's input micro-batch shape
+        self._out: tuple[torch.Size, torch.dtype] | None = None  # this step's output shape
+        self._sends: list[dist.Work] = []  # sends in flight; each holds its tensor until done
+
+    def begin(self, key: Hashable) -> None:
+        """Start a step whose input micro-batches have shape `key` (the same on every stage)."""
+        self._key, self._out = key, None
+
+    # -- forward direction ---------------------------------------------------------------------
+
+    def recv_forward(self) -> torch.Tensor | None:
+        """The next activation from the previous stage; None on the first stage."""
+        if self.is_first:
+            return None
+        x = self._empty_input()
+        comm.recv(x, self.stage - 1, self.group)
+        return x
+
+    def send_forward(self, y: torch.Tensor) -> None:
+        """Send this stage's output to the next stage (nothing on the last stage)."""
+        if self.is_last:
+            return
+        self._out = (y.shape, y.dtype)
+        if self._key not in self._announced:
+            self._isend(_header(y, self.device), self.stage + 1)
+            self._announced.add(self._key)
+        self._isend(y.detach().contiguous(), self.stage + 1)
+
+    # -- backward direction --------------------------------------------------------------------
+
+    def recv_backward(self) -> torch.Tensor | None:
+        """The gradient of this stage's output from the next stage; None on the last stage."""
+        if self.is_last:
+            return None
+        g = self._empty_output_grad()
+        comm.recv(g, self.stage + 1, self.group)
+        return g
+
+    def send_backward(self, dx: torch.Tensor | None) -> None:
+        """Send the gradient of this stage's input back (nothing on the first stage)."""
+        if not self.is_first:
+            self._isend(dx.contiguous(), self.stage - 1)
+
+    # -- fused moves of 1F1B's steady state ---------------------------------------------------
+
+    def send_forward_recv_backward(self, y: torch.Tensor) -> torch.Tensor | None:
+        """Send output `y` on, and receive the gradient of this stage's oldest waiting output."""
+        if self.is_last:
+            return None
+        self._out = (y.shape, y.dtype)
+        g = self._empty_output_grad()
+        handle = comm.irecv(g, self.stage + 1, self.group)  # posted before the send
+        self.send_forward(y)
+        handle.wait()
+        return g
+
+    def send_backward_recv_forward(self, dx: torch.Tensor | None) -> torch.Tensor | None:
+        """Send input gradient `dx` back, and receive the next activation from the previous stage."""
+        if self.is_first:
+            return None
+        x = self._empty_input()
+        handle = comm.irecv(x, self.stage - 1, self.group)  # posted before the send
+        self.send_backward(dx)
+        handle.wait()
+        return x
+
+    def wait_sends(self) -> None:
+        """Wait until every send of this step has left (end of step)."""
+        for handle in self._sends:
+            handle.wait()
+        self._sends.clear()
+
+    # -- buffers -------------------------------------------------------------------------------
+
+    def _isend(self, tensor: torch.Tensor, peer: int) -> None:
+        self._sends = [h for h in self._sends if not h.is_completed()]
+        self._sends.append(comm.isend(tensor, peer, self.group))
+
+    def _empty_input(self) -> torch.Tensor:
+        if self._key not in self._in_shapes:  # see [Note: shapes agreed once]
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            comm.recv(header, self.stage - 1, self.group)
+            ndim, code = int(header[0]), int(header[1])
+            self._in_shapes[self._key] = (torch.Size(header[2:2 + ndim].tolist()), _DTYPES[code])
+        shape, dtype = self._in_shapes[self._key]
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _empty_output_grad(self) -> torch.Tensor:
+        if self._out is None:
+            raise UsageError("a schedule asked for a gradient before this stage sent any output")
+        return torch.empty(self._out[0], dtype=self._out[1], device=self.device)
+
+
+def _header(y: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if y.dim() > _MAX_DIMS or y.dtype not in _DTYPES:
+        raise UsageError(f"a stage's output must be one floating-point tensor of at most {_MAX_DIMS} "
+                         f"dimensions to travel to the next stage; got {tuple(y.shape)} {y.dtype}")
+    return torch.tensor([y.dim(), _DTYPES.index(y.dtype), *y.shape] + [0] * (_MAX_DIMS - y.dim()),
+                        dtype=torch.int64, device=device)

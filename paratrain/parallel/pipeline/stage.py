@@ -1,0 +1,182 @@
+"""One rank's stage of a pipeline: its layers, the micro-batches in flight, the events it ran.
+
+A step is a lifecycle pair around a schedule (schedules.py):
+
+    start_step(inputs, targets, loss_fn, scale)   cut the batch into micro-batches
+    schedule(stage, microbatches)                 stage.forward(i, x) / stage.backward(i, g) + p2p
+    finish_step() -> loss                         wait for sends, average gradients over replicas
+
+`forward(i, x)` runs the stage's layers on micro-batch i (the first stage takes its own slice of
+the batch; the last stage applies the loss) and keeps what backward needs; `backward(i, g)`
+back-propagates `g` (on the last stage, the scaled loss) and returns the gradient of the stage's
+input for the previous stage. Each records an `Event` (timeline.py).
+
+Gradients: micro-batch losses are scaled by 1/m, so m micro-batches of the mean loss sum to the
+mean over the whole batch, exactly as one device computes it. With data parallelism, replicas of
+the same stage average their gradients once per step, after the schedule has flushed (as
+GPipe does, Huang et al. 2019, section 2.2): one all-reduce over the data-parallel group, skipped
+inside `no_sync()` so gradient accumulation communicates only on the last micro-step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain import comm
+from paratrain.errors import ConfigError, UsageError
+from paratrain.parallel.pipeline.p2p import StageLinks
+from paratrain.parallel.pipeline.timeline import Event, Kind
+
+Schedule = Callable[["PipelineStage", int], None]
+
+
+class PipelineStage(nn.Module):
+    """Stage `stage` of `stages`: `module` runs here; `schedule` orders its micro-batches.
+
+    pipe_group: the ranks of this pipeline (one per stage), in stage order.
+    dp_group: the ranks holding this same stage in other replicas (None or size 1: no replicas).
+    device: where this stage's layers, activations and gradients live.
+    """
+
+    def __init__(self, module: nn.Module, *, stage: int, stages: int, schedule: Schedule,
+                 microbatches: int, pipe_group: dist.ProcessGroup | None,
+                 dp_group: dist.ProcessGroup | None, device: torch.device):
+        super().__init__()
+        self.module = module
+        self.stage, self.stages, self.microbatches = stage, stages, microbatches
+        self.schedule = schedule
+        self.pipe_group, self.dp_group = pipe_group, dp_group
+        self.links = StageLinks(pipe_group, stage, stages, device)
+        self.require_grad_sync = True  # False inside no_sync()
+        self.events: list[Event] = []  # what this stage ran in the last step
+        self._stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # i → (input, output)
+        self._inputs: tuple[torch.Tensor, ...] = ()
+        self._targets: tuple[torch.Tensor, ...] = ()
+        self._losses: list[torch.Tensor] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise UsageError("a pipeline stage runs forward and backward together, micro-batch by "
+                         "micro-batch: call session.train_step(batch, loss_fn), or "
+                         "stage.forward_backward(inputs, targets, loss_fn)")
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         loss_fn: Callable[[Any, Any], torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of one batch through the whole pipeline, by the schedule.
+        Every stage passes the same batch. Returns the batch's mean loss on every stage."""
+        self.start_step(inputs, targets, loss_fn, scale)
+        self.schedule(self, self.microbatches)
+        return self.finish_step()
+
+    def start_step(self, inputs: torch.Tensor, targets: torch.Tensor,
+                   loss_fn: Callable[[Any, Any], torch.Tensor], scale: float) -> None:
+        """Cut the batch into `microbatches` equal micro-batches; the loss of each is scaled by
+        scale / microbatches."""
+        if not (torch.is_tensor(inputs) and torch.is_tensor(targets)):
+            raise UsageError("a pipeline step takes a batch (inputs, targets) of two tensors, cut "
+                             f"into micro-batches along dim 0; got {type(inputs).__name__}, "
+                             f"{type(targets).__name__}")
+        m, batch = self.microbatches, inputs.shape[0]
+        if batch % m:
+            raise ConfigError(f"{m} micro-batches do not divide this stage's batch of {batch} "
+                              f"samples: use a per-replica batch that is a multiple of {m}, "
+                              "or change Pipeline(microbatches=...)")
+        self._inputs = inputs.chunk(m)
+        self._targets = targets.chunk(m)
+        self._loss_fn, self._scale = loss_fn, scale / m
+        self._losses, self.events = [], []
+        self.links.begin(tuple(self._inputs[0].shape))
+
+    def finish_step(self) -> torch.Tensor:
+        """Wait for this step's sends, average gradients over replicas (unless in no_sync), and
+        return the mean loss of the batch, broadcast from the last stage to every stage."""
+        self.links.wait_sends()
+        if self._stash:
+            raise UsageError(f"the schedule left micro-batches {sorted(self._stash)} without backward")
+        if self.require_grad_sync:
+            self.sync_grads()
+        # float32 everywhere: a broadcast needs the same dtype on every rank
+        loss = torch.stack(self._losses).float().mean() if self.links.is_last else \
+            torch.zeros((), device=self.links.device)
+        return comm.broadcast(loss, self.stages - 1, self.pipe_group)
+
+    # -- what schedules call -------------------------------------------------------------------
+
+    def forward_one(self, i: int, x: torch.Tensor | None) -> torch.Tensor:
+        """Run micro-batch i (x: the activation received, None on the first stage); return the
+        output to send on, or on the last stage the micro-batch's loss."""
+        start = time.perf_counter()
+        if x is None:
+            x = self._inputs[i]
+        else:
+            x.requires_grad_()  # its gradient is what backward sends to the previous stage
+        y = self.module(x)
+        if self.links.is_last:
+            y = self._loss_fn(y, self._targets[i])
+            self._losses.append(y.detach())
+        elif not torch.is_tensor(y):
+            raise UsageError(f"stage {self.stage} returned {type(y).__name__}; a stage before the "
+                             "last must return one tensor, the activation for the next stage")
+        self._stash[i] = (x, y)
+        self._record(Kind.FORWARD, i, start)
+        return y
+
+    def backward_one(self, i: int, g: torch.Tensor | None) -> torch.Tensor | None:
+        """Back-propagate micro-batch i (g: gradient of its output, None on the last stage, which
+        starts from its scaled loss); return the gradient of its input (None on the first)."""
+        start = time.perf_counter()
+        x, y = self._stash.pop(i)
+        if g is None:
+            (y * self._scale).backward()
+        else:
+            torch.autograd.backward(y, g)
+        dx = None if self.links.is_first else x.grad
+        self._record(Kind.BACKWARD, i, start)
+        return dx
+
+    def _record(self, kind: Kind, i: int, start: float) -> None:
+        self.events.append(Event(self.stage, kind, i, start, time.perf_counter(), len(self._stash)))
+
+    # -- replicas ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Steps inside accumulate gradients locally; the first step after averages them all."""
+        previous, self.require_grad_sync = self.require_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_grad_sync = previous
+
+    def sync_grads(self) -> None:
+        """Average this stage's gradients over its replicas: one all-reduce per dtype. A
+        parameter without a gradient counts as zero (it may have one on another replica)."""
+        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+            return
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce(flat, group=self.dp_group, average=True)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def gather_events(self) -> list[Event]:
+        """Every stage's events of the last step, on every rank of the pipeline (collective)."""
+        everyone: list[Any] = [None] * self.stages
+        dist.all_gather_object(everyone, self.events, group=self.pipe_group)
+        return [e for events in everyone for e in events]

@@ -1,0 +1,134 @@
+"""`Pipeline`: the strategy that trains a model cut into stages on different ranks, with Session.
+
+    session = pt.Session(strategy=pt.Pipeline(stages=4, schedule="1f1b", microbatches=8))
+    model, optimizer, loader = session.setup(nn.Sequential(...), optimizer, loader)
+    for batch in session.progress(loader):
+        loss = session.train_step(batch, loss_fn)      # the same loop as every strategy
+
+Ranks form one grid, `arange(world).view(replicas, stages)` (picotron's layout): a row is one
+pipeline (rank r is stage r % stages of replica r // stages), a column holds one stage's
+replicas, which average their gradients. So world 4 with stages=2 is 2 stages × 2 replicas.
+All stages of a replica read the same batches; the first uses the inputs, the last the targets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+from paratrain import comm
+from paratrain.comm import broadcast_coalesced
+from paratrain.errors import ConfigError
+from paratrain.parallel.pipeline.partition import BALANCES, layer_costs, split_model
+from paratrain.parallel.pipeline.schedules import SCHEDULES
+from paratrain.parallel.pipeline.stage import PipelineStage
+from paratrain.strategy import Strategy
+from paratrain.topology import Topology, groups_along
+
+
+@dataclass(frozen=True)
+class Pipeline(Strategy):
+    """Pipeline parallelism over `stages` ranks, data parallelism over the rest of the world."""
+
+    name = "pipeline"
+    stages: int = 2  # ranks in one pipeline; must divide the world size (the rest are replicas)
+    schedule: str = "1f1b"  # "gpipe" (all forward, then all backward) or "1f1b" (schedules.py)
+    microbatches: int = 4  # micro-batches per replica batch; must divide the replica's batch size
+    balance: str = "layers"  # cut an nn.Sequential by "layers", "params" or measured "time"
+    sample: Any = None  # balance="time" only: an input batch, or a function that returns one
+
+    def __post_init__(self):
+        if self.stages < 1 or self.microbatches < 1:
+            raise ConfigError(f"Pipeline needs stages >= 1 and microbatches >= 1; got "
+                              f"stages={self.stages}, microbatches={self.microbatches}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose one of {sorted(SCHEDULES)}")
+        if self.balance not in BALANCES:
+            raise ConfigError(f"balance must be one of {BALANCES}; got {self.balance!r}")
+
+    def wrap(self, model: nn.Module, topology: Topology) -> PipelineStage:
+        """This rank's stage on its device, its replicas starting from the first replica's
+        parameters. Collective: every rank creates every group, in the same order."""
+        replicas, _ = self.data_parallel(topology)
+        grid = torch.arange(topology.world_size).view(replicas, self.stages)
+        pipe_group, pipe_ranks = groups_along(grid, topology.rank, dim=1)
+        dp_group, _ = groups_along(grid, topology.rank, dim=0)
+        stage = pipe_ranks.index(topology.rank)
+        module = self._cut(model)[stage].to(topology.device)
+        broadcast_coalesced([*module.parameters(), *module.buffers()], dp_group)
+        return PipelineStage(module, stage=stage, stages=self.stages,
+                             schedule=SCHEDULES[self.schedule], microbatches=self.microbatches,
+                             pipe_group=pipe_group, dp_group=dp_group, device=topology.device)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                       topology: Topology) -> torch.optim.Optimizer:
+        """The user built `optimizer` from the whole model; this rank steps only its stage. So it
+        is rebuilt: the same class and hyperparameters, each parameter group keeping only this
+        stage's parameters (groups left empty are dropped), state carried over."""
+        return stage_optimizer(optimizer, self.unwrap(model))
+
+    def no_sync(self, model: PipelineStage) -> ContextManager:
+        return model.no_sync()
+
+    def forward_backward(self, model: PipelineStage, inputs: Any, targets: Any,
+                         loss_fn: Callable[[Any, Any], torch.Tensor], scale: float) -> torch.Tensor:
+        """Run the schedule over the batch's micro-batches. Returns this replica's mean loss over
+        the batch, computed on the last stage and broadcast to every stage of the pipeline."""
+        return model.forward_backward(inputs, targets, loss_fn, scale)
+
+    def clip_grad_norm(self, model: PipelineStage, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over all stages' gradients: squares summed over the pipeline group
+        (replicas hold equal gradients after their all-reduce, so they are counted once)."""
+        grads = [p.grad for p in model.module.parameters() if p.grad is not None]
+        square = torch.zeros((), dtype=torch.float64, device=model.links.device)
+        for g in grads:
+            square += g.detach().double().pow(2).sum()
+        total = comm.all_reduce(square, group=model.pipe_group).sqrt().float()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def data_parallel(self, topology: Topology) -> tuple[int, int]:
+        if topology.world_size % self.stages:
+            raise ConfigError(f"Pipeline(stages={self.stages}) does not divide the world size "
+                              f"{topology.world_size}: start a multiple of {self.stages} processes "
+                              f"(stages × replicas), or choose stages among "
+                              f"{[d for d in range(1, topology.world_size + 1) if topology.world_size % d == 0]}")
+        return topology.world_size // self.stages, topology.rank // self.stages
+
+    def _cut(self, model: nn.Module) -> list[nn.Module]:
+        costs = None  # one per layer; None: every layer costs 1
+        if isinstance(model, nn.Sequential) and self.balance != "layers":
+            costs = layer_costs(model, self.balance, self.sample)
+            if self.balance == "time":  # times differ between ranks, cuts must not: take rank 0's
+                costs = comm.broadcast_object(costs)
+        return split_model(model, self.stages, costs=costs)
+
+
+def stage_optimizer(optimizer: torch.optim.Optimizer, stage: nn.Module) -> torch.optim.Optimizer:
+    """`optimizer` rebuilt for the parameters of `stage` (see Pipeline.wrap_optimizer)."""
+    mine = {id(p) for p in stage.parameters()}
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if not mine:
+        raise ConfigError("this pipeline stage has no parameters to optimise; cut the model "
+                          "differently (Pipeline(balance='layers') or fewer stages)")
+    if not mine <= held:
+        raise ConfigError(f"the optimizer does not hold {len(mine - held)} parameter(s) of this "
+                          "pipeline stage; create it from model.parameters() of the model passed "
+                          "to setup()")
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [p for p in g["params"] if id(p) in mine]} for g in optimizer.param_groups]
+    try:
+        rebuilt = type(optimizer)([g for g in groups if g["params"]], **optimizer.defaults)
+    except TypeError as e:
+        raise ConfigError(f"cannot rebuild {type(optimizer).__name__} for this pipeline stage ({e}); "
+                          "create the optimizer after setup() from session.unwrap().parameters()") from None
+    for p in stage.parameters():
+        if p in optimizer.state:
+            rebuilt.state[p] = optimizer.state[p]
+    return rebuilt

@@ -1,0 +1,146 @@
+"""What a pipeline schedule did: one event per forward or backward of one micro-batch on one stage.
+
+Every `PipelineStage` records, for each micro-batch it computes, when the computation started and
+ended (`time.perf_counter`, the same CLOCK_MONOTONIC in every process of one machine; across
+machines the clocks are only as close as their synchronisation) and how many micro-batches' worth
+of activations the stage held afterwards. From these events:
+
+- `idle_fraction(events)`: the bubble, 1 - busy / (stages × makespan), from the recorded times;
+- `replay(events)`: the same per-stage order of actions, re-timed as if every forward took 1 unit
+  and every backward 2 on every stage, each action starting when its stage is free and its input
+  has arrived (the activation from the stage before, or the gradient from the stage after). This
+  gives the bubble of the *schedule* on uniform stages, free of the noise of a shared machine, and
+  it fails if the recorded order could deadlock;
+- `peak_in_flight(events)`: per stage, the most micro-batches whose activations were alive;
+- `draw(events, path)`: a timeline picture (PNG), one row per stage, as in the GPipe paper's
+  Figure 2 (Huang et al. 2019) and PipeDream-flush's (Narayanan et al. 2021, Figure 4).
+
+The theory these are checked against (Narayanan et al. 2021, "Efficient Large-Scale Language
+Model Training on GPU Clusters", section 2.2.1): with p uniform stages and m micro-batches, GPipe
+and 1F1B both leave each stage idle for (p-1) forward+backward slots out of m+p-1, an idle fraction
+of (p-1)/(m+p-1); GPipe holds the activations of all m micro-batches at once, 1F1B at most p.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+
+class Kind(str, enum.Enum):
+    """Which half of a micro-batch's work an event is."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One stage computing one micro-batch's forward or backward."""
+
+    stage: int  # pipeline stage index, 0 … stages-1
+    kind: Kind  # forward or backward
+    microbatch: int  # index of the micro-batch inside the step
+    start: float  # seconds (perf_counter) when the computation began (after its input arrived)
+    end: float  # seconds when it finished (before its output was sent)
+    in_flight: int  # micro-batches whose activations this stage holds after this event
+
+
+def by_stage(events: Sequence[Event]) -> dict[int, list[Event]]:
+    """Events grouped per stage, each list in the order the stage ran them."""
+    out: dict[int, list[Event]] = {}
+    for e in sorted(events, key=lambda e: (e.stage, e.start)):
+        out.setdefault(e.stage, []).append(e)
+    return out
+
+
+def idle_fraction(events: Sequence[Event]) -> float:
+    """Share of stage-time spent not computing, between the first start and the last end."""
+    stages = by_stage(events)
+    start, end = min(e.start for e in events), max(e.end for e in events)
+    busy = sum(e.end - e.start for e in events)
+    return 1.0 - busy / (len(stages) * (end - start))
+
+
+def peak_in_flight(events: Sequence[Event]) -> dict[int, int]:
+    """Per stage, the most micro-batches whose activations it held at once."""
+    return {s: max(e.in_flight for e in evs) for s, evs in by_stage(events).items()}
+
+
+def replay(events: Sequence[Event], forward_cost: float = 1.0, backward_cost: float = 2.0) -> list[Event]:
+    """The recorded per-stage order, re-timed on uniform stages (see the module docstring).
+
+    An action runs once its stage finished the previous action and its input exists: F(s, i)
+    needs F(s-1, i); B(s, i) needs B(s+1, i) (the last stage's B needs its own F, earlier in its
+    order). Raises if no action can run, which means the recorded orders deadlock."""
+    queues = {s: list(evs) for s, evs in by_stage(events).items()}
+    last = max(queues)
+    done: dict[tuple[int, Kind, int], float] = {}
+    free = {s: 0.0 for s in queues}
+    out: list[Event] = []
+    while any(queues.values()):
+        progressed = False
+        for s, queue in queues.items():
+            while queue:
+                e = queue[0]
+                dep = _dependency(e, last)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[s], done.get(dep, 0.0))
+                end = start + (forward_cost if e.kind is Kind.FORWARD else backward_cost)
+                done[(s, e.kind, e.microbatch)], free[s] = end, end
+                out.append(replace(e, start=start, end=end))
+                queue.pop(0)
+                progressed = True
+        if not progressed:
+            stuck = {s: (q[0].kind.value, q[0].microbatch) for s, q in queues.items() if q}
+            raise RuntimeError(f"the recorded schedule deadlocks: stages wait on {stuck}")
+    return out
+
+
+def _dependency(e: Event, last: int) -> tuple[int, Kind, int] | None:
+    if e.kind is Kind.FORWARD:
+        return None if e.stage == 0 else (e.stage - 1, Kind.FORWARD, e.microbatch)
+    if e.stage == last:
+        return None  # its own forward came earlier in the same stage's order
+    return (e.stage + 1, Kind.BACKWARD, e.microbatch)
+
+
+def draw(panels: Mapping[str, Sequence[Event]], path: str, *, unit: str = "seconds") -> None:
+    """Save a timeline picture (PNG): one panel per entry of `panels` (title → events), one row
+    per stage, a box per forward (light) and backward (dark) labelled with its micro-batch; the
+    white gaps are the bubble. `unit` labels the time axis ("seconds" for recorded events)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: training machines have no display
+    import matplotlib.pyplot as plt
+
+    rows = max(len(by_stage(evs)) for evs in panels.values())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, len(panels) * (0.45 * rows + 1.1)),
+                             squeeze=False)
+    for ax, (title, evs) in zip(axes[:, 0], panels.items()):
+        _draw_panel(ax, evs, f"{title}: idle fraction {idle_fraction(evs):.2f}")
+    axes[-1, 0].set_xlabel(unit)
+    from matplotlib.patches import Patch
+
+    axes[0, 0].legend(handles=[Patch(color="#9ecae1", label="forward"), Patch(color="#3182bd", label="backward")],
+                      loc="upper left", bbox_to_anchor=(0.3, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _draw_panel(ax, events: Sequence[Event], title: str) -> None:
+    stages = by_stage(events)
+    origin = min(e.start for e in events)
+    for s, evs in stages.items():
+        for e in evs:
+            forward = e.kind is Kind.FORWARD
+            ax.barh(s, e.end - e.start, left=e.start - origin, color="#9ecae1" if forward else "#3182bd",
+                    edgecolor="black", lw=0.5)
+            ax.text((e.start + e.end) / 2 - origin, s, str(e.microbatch), ha="center", va="center",
+                    fontsize=7, color="black" if forward else "white")
+    ax.set_yticks(list(stages), [f"stage {s}" for s in stages])
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=10)

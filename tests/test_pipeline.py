@@ -1,0 +1,218 @@
+"""Pipeline parallelism on real ranks: parity with single-process training, and the schedules'
+bubble and activation memory measured from the events each stage recorded."""
+
+import struct
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain as pt
+from paratrain.errors import ConfigError
+from paratrain.parallel.pipeline import (Pipeline, PipelineStage, boundaries, draw, gpipe,
+                                         idle_fraction, layer_costs, peak_in_flight, replay,
+                                         split_model)
+from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
+from paratrain.topology import Topology
+from pipeline_models import GLOBAL_BATCH, STEPS, batches, chain
+
+
+def reference(steps: int = STEPS):
+    """One process, the whole global batch per step: parameters and losses."""
+    model = chain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs, ys = batches(steps)
+    losses = []
+    for step in range(steps):
+        loss = F.cross_entropy(model(xs[step]), ys[step])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def _train(topo, stages, schedule, m):
+    strategy = Pipeline(stages=stages, schedule=schedule, microbatches=m)
+    model = chain()
+    stage = strategy.wrap(model, topo)
+    opt = strategy.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), stage, topo)
+    replicas, index = strategy.data_parallel(topo)
+    xs, ys = batches()
+    losses = []
+    for step in range(STEPS):
+        x, y = xs[step].chunk(replicas)[index], ys[step].chunk(replicas)[index]
+        losses.append(strategy.forward_backward(stage, x, y, F.cross_entropy, 1.0).item())
+        opt.step()
+        opt.zero_grad()
+    return dict(state=stage.module.state_dict(), losses=losses, events=stage.gather_events(),
+                replica=index)
+
+
+def _sweep(topo, stages, settings):
+    return [_train(topo, stages, schedule, m) for schedule, m in settings]
+
+
+def _merged(results, replica=0):
+    """The full model's state from the stages of one replica (stage keys are the model's keys)."""
+    state = {}
+    for r in results:
+        if r["replica"] == replica:
+            state.update(r["state"])
+    return state
+
+
+SWEEPS = {  # (world, stages): settings run in one job
+    (2, 2): [(s, m) for s in ("gpipe", "1f1b") for m in (1, 2, 3, 4, 8)],
+    (4, 4): [(s, m) for s in ("gpipe", "1f1b") for m in (1, 2, 4, 6, 8)],
+    (4, 2): [(s, m) for s in ("gpipe", "1f1b") for m in (1, 3, 4)],  # 2 stages × 2 replicas
+}
+
+
+@pytest.fixture(scope="module")
+def sweeps():
+    return {key: run_on_ranks(_sweep, key[0], key[1], settings, timeout=240)
+            for key, settings in SWEEPS.items()}
+
+
+@pytest.mark.parametrize("key", list(SWEEPS))
+def test_pipeline_matches_single_process(sweeps, key):
+    ref_state, ref_losses = reference()
+    world, stages = key
+    for index, (schedule, m) in enumerate(SWEEPS[key]):
+        results = [rank[index] for rank in sweeps[key]]
+        for replica in range(world // stages):
+            assert_same_params(_merged(results, replica), ref_state, atol=1e-5)
+        if world == stages:  # one replica: its loss is the whole batch's, on every stage
+            for r in results:
+                assert r["losses"] == pytest.approx(ref_losses, abs=1e-5), (schedule, m)
+
+
+@pytest.mark.parametrize("key", [(2, 2), (4, 4)])
+def test_bubble_and_activations_in_flight_from_recorded_events(sweeps, key):
+    world, p = key
+    for index, (schedule, m) in enumerate(SWEEPS[key]):
+        events = sweeps[key][0][index]["events"]  # every rank gathered the same pipeline's events
+        assert len(events) == 2 * p * m
+        uniform = replay(events)  # the recorded orders on uniform stages; raises on a deadlock
+        assert idle_fraction(uniform) == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (schedule, m)
+        peak = peak_in_flight(events)
+        if schedule == "gpipe":
+            assert peak == {s: m for s in range(p)}
+        else:  # stage s holds its warm-up plus one: p - s, never more than p
+            assert peak == {s: min(p - s, m) for s in range(p)}
+        assert 0 <= idle_fraction(events) < 1  # the measured (noisy) bubble is a fraction too
+
+
+def _session(topo, stages, schedule, m, accumulate, clip):
+    session = pt.Session(strategy=Pipeline(stages=stages, schedule=schedule, microbatches=m),
+                         accumulate=accumulate, max_grad_norm=clip, topology=topo, progress_bar=False)
+    xs, ys = batches(4)
+    loader = DataLoader(TensorDataset(xs.flatten(0, 1), ys.flatten()), shuffle=False,
+                        batch_size=GLOBAL_BATCH // accumulate)
+    model = chain()
+    model, opt, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       loader)
+    losses = [session.train_step(batch, F.cross_entropy).item() for batch in session.progress(loader)]
+    return dict(state=session.unwrap().state_dict(), losses=losses, replica=topo.rank // stages)
+
+
+def _sessions(topo, settings):
+    return [_session(topo, *setting) for setting in settings]
+
+
+def _session_reference(accumulate, clip):
+    model = chain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs, ys = batches(4)
+    for x, y in zip(xs, ys):
+        F.cross_entropy(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+SESSIONS = [(2, "1f1b", 3, 1, None), (2, "gpipe", 2, 2, 0.5), (4, "1f1b", 6, 1, 0.5)]
+
+
+def test_session_trains_a_pipeline_like_one_process():
+    """World 4: 2 stages × 2 replicas (and 4 stages × 1), with accumulation and clipping."""
+    per_rank = run_on_ranks(_sessions, 4, SESSIONS, timeout=240)
+    for index, (stages, schedule, m, accumulate, clip) in enumerate(SESSIONS):
+        results = [rank[index] for rank in per_rank]
+        for replica in range(4 // stages):
+            assert_same_params(_merged(results, replica), _session_reference(accumulate, clip), atol=1e-5)
+
+
+def test_timeline_picture_is_a_png(tmp_path):
+    events = replay(_fake_events(3, 4))
+    draw({"GPipe": events}, str(tmp_path / "t.png"), unit="forward times")
+    header = (tmp_path / "t.png").read_bytes()[:8]
+    assert header == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">I", (tmp_path / "t.png").read_bytes()[16:20])[0] > 100  # width
+
+
+def _fake_events(p, m):
+    """GPipe's per-stage order for p stages and m micro-batches (times filled in by replay)."""
+    from paratrain.parallel.pipeline import Event, Kind
+    return [Event(s, kind, i, 0.0, 0.0, 0) for s in range(p) for kind in (Kind.FORWARD, Kind.BACKWARD)
+            for i in range(m)]
+
+
+# -- misuse ----------------------------------------------------------------------------------------
+
+def test_more_stages_than_layers_is_a_config_error():
+    with pytest.raises(ConfigError, match="cannot cut 9 layers into 10 stages"):
+        split_model(chain(), 10)
+
+
+def test_microbatches_must_divide_the_batch():
+    stage = PipelineStage(nn.Linear(12, 5), stage=0, stages=1, schedule=gpipe, microbatches=4,
+                          pipe_group=None, dp_group=None, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="4 micro-batches do not divide this stage's batch of 6"):
+        stage.forward_backward(torch.randn(6, 12), torch.zeros(6, dtype=torch.long), F.cross_entropy)
+
+
+def test_stages_must_divide_the_world():
+    topo = Topology.from_env({}, rank=0, world_size=4)
+    with pytest.raises(ConfigError, match=r"stages=3\) does not divide the world size 4"):
+        Pipeline(stages=3).data_parallel(topo)
+
+
+def _three_stages_on_four(topo):
+    pt.Session(strategy=Pipeline(stages=3), topology=topo).setup(chain())
+
+
+def test_stages_not_dividing_the_world_fails_at_setup_on_ranks():
+    with pytest.raises(RankFailure, match="does not divide the world size 4"):
+        run_on_ranks(_three_stages_on_four, 4, timeout=60)
+
+
+@pytest.mark.parametrize("kwargs,message", [(dict(schedule="zb"), "unknown pipeline schedule"),
+                                            (dict(microbatches=0), "microbatches >= 1"),
+                                            (dict(balance="flops"), "balance must be one of")])
+def test_bad_pipeline_settings(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        Pipeline(**kwargs)
+
+
+def test_a_model_that_is_not_a_chain_is_refused():
+    with pytest.raises(ConfigError, match="nn.Sequential"):
+        split_model(nn.Linear(2, 2), 2)
+
+
+# -- partition -------------------------------------------------------------------------------------
+
+def test_balance_by_parameters_and_by_time():
+    model = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    assert boundaries(layer_costs(model, "params"), 2) == [0, 1, 4]  # the big layer alone
+    assert boundaries([1.0] * 9, 4) == [0, 3, 5, 7, 9]
+    costs = layer_costs(model, "time", torch.randn(64, 100))
+    assert len(costs) == 4 and all(c > 0 for c in costs)
+    stages = split_model(chain(), 3)
+    assert [list(dict(s.named_children())) for s in stages] == [["0", "1", "2"], ["3", "4", "5"],
+                                                               ["6", "7", "8"]]
