@@ -1,10 +1,10 @@
 """Benchmark: our GPipe and 1F1B against torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B.
 
-    python bench/pipeline.py [--rounds 5] [--steps 6] [--batch 256] [--microbatches 4 8] [--quick]
+    python bench/pipeline.py [--rounds 5] [--steps 6] [--batch 1024] [--microbatches 4 8] [--quick]
 
 World 2 on gloo, 2 stages, one thread per rank (2 ranks on 2 cores), ranks started by
-`paratrain.testing.run_on_ranks`. The model: 8 × (Linear 1024→1024, ReLU) and Linear 1024→10, an
-nn.Sequential of 8,407,050 parameters, cut by `paratrain`'s `split_model` into the same two
+`paratrain.testing.run_on_ranks`. The model: 8 × (Linear 512→512, ReLU) and Linear 512→10, an
+nn.Sequential of 2,106,378 parameters, cut by `paratrain`'s `split_model` into the same two
 halves for both libraries (torch's stage gets a deep copy of the same half). Both take the same
 `--batch` rows per step in m micro-batches, the mean cross-entropy loss (torch: `scale_grads=True`,
 so both divide by m), and SGD(lr 1e-3, momentum 0.9).
