@@ -58,7 +58,21 @@ class Unused(MLP):
         self.spare = nn.Linear(7, 7)
 
 
-MODELS = {"mlp": MLP, "bn": ConvBN, "dropout": Dropout, "tied": Tied, "unused": Unused}
+class Sometimes(MLP):
+    """A head used only for batches whose first feature sums positive: which ranks use it
+    differs from step to step and from micro-batch to micro-batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(12, 5)
+
+    def forward(self, x):
+        out = self.net(x)
+        return out + self.extra(x) if x[:, 0].sum() > 0 else out
+
+
+MODELS = {"mlp": MLP, "bn": ConvBN, "dropout": Dropout, "tied": Tied, "unused": Unused,
+          "sometimes": Sometimes}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:

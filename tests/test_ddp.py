@@ -12,7 +12,9 @@ from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
 from models import make_batches, make_model
 
 STEPS, GLOBAL_BATCH = 4, 16
-CHUNKED = {"bn", "dropout"}  # per-replica statistics / masks: the reference splits the batch too
+# per-replica statistics, masks or branches: the reference splits the batch the same way
+CHUNKED = {"bn", "dropout", "sometimes"}
+FIND_UNUSED = {"unused", "sometimes"}
 
 
 def _step_seed(step: int, chunk: int) -> int:
@@ -23,7 +25,8 @@ def _train_on_rank(topo, name, impl, accumulate, optim):
     """Train `impl` ("ours" or "torch") for STEPS steps on this rank's share of each batch."""
     model = make_model(name)
     wrap = pt.DistributedDataParallel if impl == "ours" else torch.nn.parallel.DistributedDataParallel
-    ddp = wrap(model, find_unused_parameters=(name == "unused"))
+    # tiny buckets: many all-reduces, filled out of order, must still match torch's DDP
+    ddp = wrap(model, find_unused_parameters=name in FIND_UNUSED, bucket_cap_mb=0.0005)
     opt = _optimizer(optim, ddp.parameters())
     xs, ys = make_batches(STEPS, GLOBAL_BATCH)
     pieces = topo.world_size * accumulate
@@ -78,17 +81,18 @@ def reference(name, world, accumulate, optim):
 
 CASES = [(name, world, 1, "sgd") for name in ("mlp", "bn", "dropout", "tied", "unused")
          for world in (1, 2, 4)]
-CASES += [("mlp", 2, 4, "sgd"), ("bn", 2, 2, "sgd"), ("mlp", 2, 1, "adam"), ("tied", 4, 2, "adam")]
+CASES += [("mlp", 2, 4, "sgd"), ("bn", 2, 2, "sgd"), ("mlp", 2, 1, "adam"), ("tied", 4, 2, "adam"),
+          ("sometimes", 2, 1, "sgd"), ("sometimes", 4, 1, "sgd"), ("sometimes", 2, 4, "sgd")]
 
 
 @pytest.mark.parametrize("name,world,accumulate,optim", CASES)
 def test_ddp_matches_single_process_and_torch_ddp(name, world, accumulate, optim):
     if GLOBAL_BATCH % (world * accumulate):
         pytest.fail("test setup: global batch must split evenly")
-    ours, theirs = run_on_ranks(_both, world, name, accumulate, optim)[0]
     ref = {k: v.detach() for k, v in reference(name, world, accumulate, optim).items()}
-    assert_same_params({k: ours[k] for k in ref}, ref, atol=1e-5)
-    assert_same_params(ours, theirs, atol=1e-6)  # buffers (BatchNorm statistics) included
+    for ours, theirs in run_on_ranks(_both, world, name, accumulate, optim):  # every rank
+        assert_same_params({k: ours[k] for k in ref}, ref, atol=1e-5)
+        assert_same_params(ours, theirs, atol=1e-6)  # buffers (BatchNorm statistics) included
 
 
 def _replicas_agree(topo):
@@ -167,3 +171,23 @@ def test_accepts_torch_constructor_arguments():
 def test_needs_an_initialised_group():
     with pytest.raises(pt.UsageError, match="Topology.from_env"):
         pt.DistributedDataParallel(make_model("mlp"))
+
+
+def _no_grad_forward_between(topo):
+    ddp = pt.DistributedDataParallel(make_model("mlp"))
+    xs, ys = make_batches(1, 8)
+    x, y = xs[0].chunk(2)[topo.rank], ys[0].chunk(2)[topo.rank]
+    loss = F.cross_entropy(ddp(x), y)
+    with torch.no_grad():
+        ddp(x)  # evaluation between forward and backward must not change how backward syncs
+    loss.backward()
+    return [p.grad.clone() for p in ddp.parameters()]
+
+
+def test_a_no_grad_forward_does_not_disturb_the_pending_backward():
+    g0, g1 = run_on_ranks(_no_grad_forward_between, 2)
+    model = make_model("mlp")
+    xs, ys = make_batches(1, 8)
+    F.cross_entropy(model(xs[0]), ys[0]).backward()
+    for a, b, ref in zip(g0, g1, model.parameters()):
+        assert torch.equal(a, b) and torch.allclose(a, ref.grad, atol=1e-6)

@@ -63,7 +63,8 @@ class DistributedDataParallel(nn.Module):
         for name in _UNSUPPORTED:
             if given[name] is not None:
                 raise ConfigError(f"paratrain.DistributedDataParallel does not support {name}; "
-                                  "remove it (for mixed precision use Session(precision=...))")
+                                  "remove it (for mixed precision, wrap the forward in torch.autocast, "
+                                  "or use ZeRO stage 3's param_dtype)")
         if not dist.is_initialized():
             raise UsageError("DistributedDataParallel needs the default process group: call "
                              "paratrain.Topology.from_env().init() (or use paratrain.Session) first")
@@ -73,6 +74,7 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = _buffer_sync_flag(broadcast_buffers, forward_sync_buffers)
         self.require_backward_grad_sync = True  # False inside no_sync(), read at forward time
+        self._require_forward_param_sync = True  # broadcast buffers at the next forward
         self._params = [p for p in module.parameters() if p.requires_grad]
         if not self._params:
             raise ConfigError("the module has no parameter that requires a gradient; "
@@ -105,15 +107,19 @@ class DistributedDataParallel(nn.Module):
             device = torch.device("cuda", self.device_ids[0]) if isinstance(self.device_ids[0], int) \
                 else torch.device(self.device_ids[0])
             inputs, kwargs = tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, (inputs, kwargs))
-        if self.broadcast_buffers:
+        if self.broadcast_buffers and self._require_forward_param_sync:
             broadcast_coalesced(list(self.module.buffers()), self.process_group)
         output = self.module(*inputs, **kwargs)
-        self._sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
-        self._in_backward = False
-        self._unused = []
-        if self._sync_this_backward and self.find_unused_parameters:
-            used = _params_reached_from(output)
-            self._unused = [p for p in self._params if p not in used]
+        if torch.is_grad_enabled():  # a no-grad forward (evaluation) builds no backward to plan
+            # as torch's DDP (`_post_forward`): the forward after a no_sync() forward skips the
+            # buffer broadcast, so accumulation costs no communication at all
+            self._require_forward_param_sync = self.require_backward_grad_sync
+            self._sync_this_backward = self.require_backward_grad_sync
+            self._in_backward = False
+            self._unused = []
+            if self._sync_this_backward and self.find_unused_parameters:
+                used = _params_reached_from(output)
+                self._unused = [p for p in self._params if p not in used]
         return output
 
     @contextlib.contextmanager
@@ -150,23 +156,23 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         self._in_backward = False
         missing = self._buckets.missing()
-        if missing:
-            self._buckets.finish_grad_sync()
-            names = ", ".join(self._names.get(p, "?") for p in missing[:10])
-            raise UsageError(
-                f"{len(missing)} parameter(s) got no gradient in this backward: {names}. They were "
-                "not used to compute the loss. Pass find_unused_parameters=True to "
-                "DistributedDataParallel, or remove them from the model (or set requires_grad=False).")
         self._buckets.finish_grad_sync()
-        if self._unused:
+        if missing:
+            names = ", ".join(self._names.get(p, "?") for p in missing[:10])
+            advice = ("they were reached from the model's outputs but not from the loss: use every "
+                      "output in the loss" if self.find_unused_parameters else
+                      "pass find_unused_parameters=True to DistributedDataParallel (or pt.DDP)")
+            raise UsageError(f"{len(missing)} parameter(s) got no gradient in this backward: {names}; "
+                             f"{advice}, or remove them from the model (or set requires_grad=False)")
+        if self.find_unused_parameters:  # on every rank: which parameters are unused differs
             self._settle_unused()
 
     def _settle_unused(self) -> None:
-        """An unused parameter that another rank used gets the average as its gradient; one that
-        no rank used keeps the gradient it had (None stays None), as in torch, so optimizers skip
-        it exactly as single-process training would."""
-        unused = set(self._unused)
-        used = torch.tensor([p not in unused for p in self._params], dtype=torch.int32,
+        """A parameter that this rank did not use but another did (in any micro-batch since the
+        last sync: then it holds a gradient) gets the average as its gradient; one that no rank
+        used keeps None, as in torch, so optimizers skip it exactly as single-process training
+        would. Collective: one small all-reduce of a used-bitmap."""
+        used = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32,
                             device=self._params[0].device)
         dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group)
         for p, anywhere in zip(self._params, used.tolist()):
