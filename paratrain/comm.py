@@ -187,6 +187,25 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group=None, src: int = 0) -
                 offset += t.numel()
 
 
+def reduce_to_owners(flat: torch.Tensor, group=None, *, rank: int, world: int,
+                     scatter: bool) -> tuple[Any, torch.Tensor]:
+    """Start a SUM over `group` of `flat` (N equal slices) after which this rank needs only slice
+    `rank`; returns (work, slice), the slice valid after `work.wait()`.
+
+    `scatter=True` reduce-scatters (half the bytes: nccl); `scatter=False` all-reduces and keeps
+    the slice, which measured faster on gloo: on 2 CPU ranks a 25 MiB reduce-scatter took 26 ms
+    and an all-reduce 23 ms (while a 1 MiB one was faster as a reduce-scatter)."""
+    if scatter:
+        out = flat.new_empty(flat.numel() // world)
+        return reduce_scatter_single(out, flat, group=group, async_op=True), out
+    return dist.all_reduce(flat, group=group, async_op=True), flat.view(world, -1)[rank]
+
+
+def prefers_reduce_scatter(group=None) -> bool:
+    """Whether `reduce_to_owners` should reduce-scatter on this group's backend (see there)."""
+    return dist.get_backend(group) == "nccl"
+
+
 # ---- what torch lacks ----------------------------------------------------------------------
 
 def all_gather_with_grad(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
@@ -231,7 +250,7 @@ def _mean_scalars(metrics: Mapping[str, Any], group) -> dict[str, float]:
         if isinstance(metrics[name], torch.Tensor) and metrics[name].numel() != 1:
             raise UsageError(f"mean_metrics takes scalars; {name!r} has shape "
                              f"{tuple(metrics[name].shape)}: reduce it to one number first")
-    values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=_device(group))
+    values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=group_device(group))
     all_reduce(values, group=group, average=True)
     return dict(zip(names, values.tolist()))
 
@@ -310,7 +329,7 @@ def _check_average(tensor: torch.Tensor, op, average: bool, name: str) -> None:
                          "convert it with .float() first")
 
 
-def _device(group) -> torch.device:
+def group_device(group=None) -> torch.device:
     """Where scratch tensors for `group` live: nccl reduces CUDA tensors only."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -27,7 +27,7 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.parallel.ddp import DistributedDataParallel
-from paratrain.parallel.fsdp import WrapPolicy
+from paratrain.parallel.fsdp import DEFAULT_WRAP_POLICY, WrapPolicy
 from paratrain.parallel.shard import shard
 from paratrain.topology import Topology
 
@@ -116,7 +116,7 @@ class ZeRO(Strategy):
 
     stage: int = 1  # 1, 2 or 3
     bucket_cap_mb: float = 25.0  # stages 1 and 2: gradient bucket size cap
-    wrap_policy: WrapPolicy = WrapPolicy(min_params=1_000_000)  # stage 3: what becomes a unit
+    wrap_policy: WrapPolicy = DEFAULT_WRAP_POLICY  # stage 3: what becomes a unit
     prefetch: bool = True  # stage 3: gather the next unit while this one computes
     param_dtype: torch.dtype | None = None  # stage 3: gather/compute/reduce in bf16 or fp16
     offload: bool = False  # stage 3: shards and optimizer state in CPU memory

@@ -4,7 +4,6 @@ train exactly as one device does."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt

@@ -245,3 +245,33 @@ def test_stage3_inference_gathers_then_frees_every_unit():
     for out, gathered in run_on_ranks(_evaluate, 2):
         assert torch.allclose(out, expected, atol=1e-6)
         assert gathered and all(size == 0 for size in gathered)
+
+
+def _recover(topo):
+    model, opt = _sharded("mlp", 3)
+    xs, ys = make_batches(STEPS + 1, GLOBAL_BATCH)
+    mine = [(x.chunk(topo.world_size)[topo.rank], y.chunk(topo.world_size)[topo.rank]) for x, y in zip(xs, ys)]
+
+    def boom(grad):
+        raise RuntimeError("a backward that fails halfway")
+
+    out = model(mine[0][0])
+    out.register_hook(boom)
+    try:
+        F.cross_entropy(out, mine[0][1]).backward()
+    except RuntimeError:
+        pass
+    opt.zero_grad()
+    for x, y in mine[1:]:
+        _step(model, opt, x, y)
+    return pt.full_state_dict(model)
+
+
+def test_stage3_recovers_from_a_failed_backward():
+    model = make_model("mlp")
+    opt = _optimizer("adam", model.parameters())
+    xs, ys = make_batches(STEPS + 1, GLOBAL_BATCH)
+    for x, y in zip(xs[1:], ys[1:]):
+        _step(model, opt, x, y)
+    for state in run_on_ranks(_recover, 2):
+        assert_same_params(state, model.state_dict(), atol=1e-5)

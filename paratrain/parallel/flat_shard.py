@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import all_gather_single, reduce_scatter_single
+from paratrain.comm import all_gather_single, reduce_to_owners
+from paratrain.parallel.zero import accumulate
 
 
 @dataclass(frozen=True)
@@ -89,20 +90,16 @@ class FlatShard:
                 setattr(module, attr, view)
 
     def reshard(self) -> None:
+        self.finish_unshard()  # a prefetch that was never used: let it land before freeing
         if self.gathered:
             _free(self.full)
             self.gathered = False
 
-    def start_grad_sync(self, use_reduce_scatter: bool) -> None:
+    def start_grad_sync(self, scatter: bool) -> None:
         grad = self.full.grad
         self.full.grad = None
         grad.div_(self.world)  # summing pre-divided values: the mean, without fp16 overflow
-        if use_reduce_scatter:
-            out = grad.new_empty(self.padded // self.world)
-            self._reduce = (reduce_scatter_single(out, grad, group=self.group, async_op=True), out)
-        else:  # all-reduce, keep the slice: faster than gloo's reduce-scatter (see zero.py)
-            self._reduce = (dist.all_reduce(grad, group=self.group, async_op=True),
-                            grad.view(self.world, -1)[self.rank])
+        self._reduce = reduce_to_owners(grad, self.group, rank=self.rank, world=self.world, scatter=scatter)
 
     def finish_grad_sync(self) -> None:
         if self._reduce is None:
@@ -110,10 +107,11 @@ class FlatShard:
         work, mine = self._reduce
         work.wait()
         self._reduce = None
-        if self.shard.grad is None:  # a copy, so the full gradient it may view is freed
-            self.shard.grad = mine.to(self.shard.device, self.shard.dtype, copy=True)
-        else:
-            self.shard.grad.add_(mine.to(self.shard.device, self.shard.dtype))
+        self.shard.grad = accumulate(self.shard.grad, mine, like=self.shard)
+
+    def drop_pending(self) -> None:
+        """Forget a reduction that a failed backward left behind."""
+        self._reduce = None
 
     @torch.no_grad()
     def gather_values(self) -> list[torch.Tensor]:

@@ -31,10 +31,10 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
-from paratrain.comm import broadcast_coalesced
+from paratrain.comm import broadcast_coalesced, prefers_reduce_scatter
 from paratrain.errors import UsageError
 from paratrain.parallel.flat_shard import FlatShard, ParamSlot
-from paratrain.parallel.zero import clip_sharded_grad_norm_
+from paratrain.optim import clip_grad_norm_over
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,9 @@ class WrapPolicy:
         return free >= self.min_params
 
 
+DEFAULT_WRAP_POLICY = WrapPolicy(min_params=1_000_000)  # units of about 4 MB of fp32 parameters
+
+
 class TrainingState(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
@@ -82,7 +85,7 @@ class FullyShardedDataParallel(nn.Module):
     which also rebuilds the optimizer for the shards (the parameters it returns)."""
 
     def __init__(self, module: nn.Module, *, group_of: dict[nn.Parameter, int] | None = None,
-                 process_group=None, wrap_policy: WrapPolicy = WrapPolicy(), prefetch: bool = True,
+                 process_group=None, wrap_policy: WrapPolicy | None = None, prefetch: bool = True,
                  param_dtype: torch.dtype | None = None, offload: bool = False):
         super().__init__()
         if not dist.is_initialized():
@@ -90,18 +93,20 @@ class FullyShardedDataParallel(nn.Module):
                              "paratrain.Topology.from_env().init() (or use paratrain.Session) first")
         self.module, self.process_group, self.prefetch = module, process_group, prefetch
         self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
-        self.use_reduce_scatter = dist.get_backend(process_group) == "nccl"  # see zero.py
+        self.use_reduce_scatter = prefers_reduce_scatter(process_group)
         broadcast_coalesced(list(module.parameters()) + list(module.buffers()), process_group)
         self._key_order = list(module.state_dict().keys())
         group_of = group_of or {p: 0 for p in module.parameters()}
         self.shard_groups: list[int] = []  # the optimizer param group of each shard
         self.param_dtype = param_dtype
+        wrap_policy = wrap_policy or DEFAULT_WRAP_POLICY
         self.units = self._build_units(wrap_policy.select(module), group_of, dict(param_dtype=param_dtype,
                                                                                   offload=offload))
         self.shards = nn.ParameterList([f.shard for u in self.units for f in u.flats])
         self.state = TrainingState.IDLE
         self.sync_gradients = True  # False inside no_sync()
         self._sync_this_backward = True  # decided by the forward that built the graph
+        self._reducing: list[FlatShard] = []  # the gradient reduction in flight
         self._forward_order: list[Unit] = []
         self.peak_gathered_bytes = 0
         for unit in self.units:
@@ -146,6 +151,8 @@ class FullyShardedDataParallel(nn.Module):
     # -- forward ------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self._forget_unfinished_backward()
         self.state = TrainingState.FORWARD
         self._sync_this_backward = self.sync_gradients
         if self.param_dtype is not None:  # inputs in the dtype the gathered parameters have
@@ -167,8 +174,11 @@ class FullyShardedDataParallel(nn.Module):
             self._prefetch(unit, step=+1)
 
     def _post_forward(self, unit: Unit, module, args, output) -> Any:
-        if unit.name or not torch.is_grad_enabled():  # the root stays gathered for backward
+        if unit.name:
             self._reshard(unit)
+        elif not torch.is_grad_enabled():  # inference: free everything, unused prefetches too
+            for each in self.units:
+                self._reshard(each)
         if not unit.name:
             self.state = TrainingState.IDLE
         if torch.is_grad_enabled():
@@ -193,6 +203,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def _post_backward(self, unit: Unit, flat: FlatShard, full: torch.Tensor) -> None:
         if self._sync_this_backward:
+            # one reduction in flight: settling the previous one frees its full gradient
+            for earlier in self._reducing:
+                earlier.finish_grad_sync()
+            self._reducing = [flat]
             flat.start_grad_sync(self.use_reduce_scatter)
         flat.reshard()
 
@@ -202,6 +216,19 @@ class FullyShardedDataParallel(nn.Module):
                 flat.finish_grad_sync()
                 flat.reshard()
             unit.backward_started = False
+        self._reducing = []
+        self.state = TrainingState.IDLE
+
+    def _forget_unfinished_backward(self) -> None:
+        """A backward that raised never ran its end-of-backward callback: start clean."""
+        if self.state is TrainingState.IDLE and not any(u.backward_started for u in self.units):
+            return
+        for unit in self.units:
+            unit.backward_started = False
+            for flat in unit.flats:
+                flat.drop_pending()
+                flat.reshard()
+        self._reducing = []
         self.state = TrainingState.IDLE
 
     # -- gathering ----------------------------------------------------------------------------------
@@ -241,7 +268,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole (averaged) gradient, computed from the shards."""
-        return clip_sharded_grad_norm_(list(self.shards), max_norm, self.process_group)
+        return clip_grad_norm_over([s.grad for s in self.shards if s.grad is not None], max_norm,
+                                   self.process_group)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict with the original keys (a collective: every rank calls it)."""

@@ -6,19 +6,20 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
+from paratrain.optim import rebuild_optimizer
 from paratrain.parallel.fsdp import FullyShardedDataParallel, WrapPolicy
 from paratrain.parallel.zero import _check_elementwise, param_groups_of, shard_data_parallel
 
 
 def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, process_group=None,
           bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
-          wrap_policy: WrapPolicy = WrapPolicy(), prefetch: bool = True,
+          wrap_policy: WrapPolicy | None = None, prefetch: bool = True,
           param_dtype: torch.dtype | None = None, offload: bool = False):
     """Shard `model` (already on this rank's device) and `optimizer` (made from its parameters)
     over the data-parallel group. Returns (model, optimizer): train with those two, as usual.
 
     stage 1: optimizer state sharded; stage 2: gradients too; stage 3: parameters too, gathered
-    unit by unit (`wrap_policy`) just before use. For stages 1 and 2 the model's parameters stay
+    unit by unit (`wrap_policy`, default `WrapPolicy(min_params=1_000_000)`) just before use. For stages 1 and 2 the model's parameters stay
     whole on every rank; for stage 3 the returned optimizer is a new one of the same class and
     hyperparameters holding the shards, and the old one must not be used. Stage 3 also takes
     `param_dtype` (gather, compute and reduce in bf16/fp16 while the shards and the optimizer
@@ -34,19 +35,10 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
         wrapped = FullyShardedDataParallel(model, group_of=param_groups_of(model, optimizer),
                                            process_group=process_group, wrap_policy=wrap_policy,
                                            prefetch=prefetch, param_dtype=param_dtype, offload=offload)
-        return wrapped, rebuild_optimizer(optimizer, list(wrapped.shards), wrapped.shard_groups)
+        return wrapped, rebuild_optimizer(optimizer, [
+            [s for s, g in zip(wrapped.shards, wrapped.shard_groups) if g == index]
+            for index in range(len(optimizer.param_groups))])
     raise ConfigError(f"ZeRO has stages 1, 2 and 3; got stage={stage!r}")
-
-
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
-                      groups: list[int]) -> torch.optim.Optimizer:
-    """A new optimizer of the same class whose param group i holds the `params` tagged i, with
-    group i's hyperparameters."""
-    param_groups = []
-    for index, group in enumerate(optimizer.param_groups):
-        mine = [p for p, g in zip(params, groups) if g == index]
-        param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": mine})
-    return type(optimizer)(param_groups, **optimizer.defaults)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

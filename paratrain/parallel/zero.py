@@ -17,9 +17,8 @@ that is a view of that slice, so an updated shard is already in place for the al
                                                                       free the full bucket
     step:      inner optimizer steps this rank's slices, then all-gather every bucket's params
 
-Stage 2's reduction on gloo is an all-reduce followed by keeping this rank's slice: measured on
-2 CPU ranks (bench in the commit message of this file) a 25 MiB reduce-scatter took 26 ms and an
-all-reduce 23 ms; nccl gets the reduce-scatter, which sends half the bytes.
+Stage 2 reduces each bucket with `comm.reduce_to_owners`: a reduce-scatter on nccl, an
+all-reduce keeping this rank's slice on gloo (measured faster there; the numbers are in comm.py).
 """
 
 from __future__ import annotations
@@ -30,8 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import all_gather_single, reduce_scatter_single
+from paratrain.comm import all_gather_single, prefers_reduce_scatter, reduce_to_owners
 from paratrain.errors import ConfigError
+from paratrain.optim import clip_grad_norm_over, rebuild_optimizer
 from paratrain.parallel.buckets import Bucket, GradBuckets
 from paratrain.parallel.ddp import DistributedDataParallel
 
@@ -41,9 +41,9 @@ class ShardedGradBuckets(GradBuckets):
     """Stage 2: each bucket is reduced to its owners, then its full gradients are freed."""
 
     rank: int = 0
-    reduce_scatter: bool = False  # else all-reduce and keep the slice (faster on gloo)
+    reduce_scatter: bool = False  # else all-reduce and keep the slice (comm.reduce_to_owners)
     shard_grads: list[torch.Tensor | None] = field(default_factory=list)  # this rank's slices
-    _scattered: dict[int, torch.Tensor] = field(default_factory=dict)
+    _pending: list[tuple[Bucket, torch.Tensor]] = field(default_factory=list)  # launched, unsettled
 
     def adopt_grad(self, p: nn.Parameter, **kwargs) -> None:
         bucket = self.slot_of[p][0]
@@ -53,25 +53,22 @@ class ShardedGradBuckets(GradBuckets):
         super().adopt_grad(p, **kwargs)
 
     def start_grad_sync(self, bucket: Bucket) -> None:
-        if not self.reduce_scatter:
-            return super().start_grad_sync(bucket)
-        out = self._scattered[bucket.index] = bucket.buffer.new_empty(bucket.buffer.numel() // self.world_size)
-        bucket.work = reduce_scatter_single(out, bucket.buffer, group=self.group, async_op=True)
+        # one reduction in flight at a time: settling the previous one frees its full bucket, so
+        # full gradients never pile up during backward (at most the bucket being filled, plus one)
+        self.finish_grad_sync()
+        bucket.work, mine = reduce_to_owners(bucket.buffer, self.group, rank=self.rank,
+                                             world=self.world_size, scatter=self.reduce_scatter)
+        self._pending.append((bucket, mine))
 
     def finish_grad_sync(self) -> None:
-        for bucket in self.buckets:
-            if bucket.work is None:
-                continue
+        for bucket, mine in self._pending:
             bucket.work.wait()
             bucket.work = None
-            mine = self._scattered.pop(bucket.index, None)
-            if mine is None:
-                mine = bucket.buffer.view(self.world_size, -1)[self.rank]
-            held = self.shard_grads[bucket.index]
-            self.shard_grads[bucket.index] = mine.clone() if held is None else held.add_(mine)
+            self.shard_grads[bucket.index] = accumulate(self.shard_grads[bucket.index], mine)
             for p in bucket.params:
                 p.grad = None
             bucket.buffer.untyped_storage().resize_(0)  # the full gradients live only in backward
+        self._pending.clear()
 
     def free(self) -> None:
         for bucket in self.buckets:
@@ -105,7 +102,7 @@ class ZeroDataParallel(DistributedDataParallel):
             return GradBuckets.build(params, caps, self.process_group, pad_to=n, kind_of=kind)
         buckets = ShardedGradBuckets.build(params, caps, self.process_group, pad_to=n, kind_of=kind)
         buckets.rank = dist.get_rank(self.process_group)
-        buckets.reduce_scatter = dist.get_backend(self.process_group) == "nccl"
+        buckets.reduce_scatter = prefers_reduce_scatter(self.process_group)
         return buckets
 
     def _flatten(self, bucket: Bucket) -> torch.Tensor:
@@ -139,7 +136,8 @@ class ZeroDataParallel(DistributedDataParallel):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole (averaged) gradient, computed from the shards."""
         self.attach_shard_grads()
-        return clip_sharded_grad_norm_(self.shards, max_norm, self.process_group)
+        return clip_grad_norm_over([s.grad for s in self.shards if s.grad is not None], max_norm,
+                                   self.process_group)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict (parameters are whole on every rank in stages 1 and 2)."""
@@ -167,11 +165,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, model: ZeroDataParallel):
         _check_elementwise(optimizer)
         self.model = model
-        groups = []
-        for index, group in enumerate(optimizer.param_groups):
-            shards = [s for i, s in enumerate(model.shards) if model.bucket_group(i) == index]
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": shards})
-        self.inner = type(optimizer)(groups, **optimizer.defaults)
+        self.inner = rebuild_optimizer(optimizer, [
+            [s for i, s in enumerate(model.shards) if model.bucket_group(i) == index]
+            for index in range(len(optimizer.param_groups))])
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self.state = self.inner.state
 
@@ -228,20 +224,9 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, *, s
     return wrapped, ShardedOptimizer(optimizer, wrapped)
 
 
-@torch.no_grad()
-def clip_sharded_grad_norm_(shards: list[nn.Parameter], max_norm: float, group=None) -> torch.Tensor:
-    """Clip by the global gradient norm when each rank holds a disjoint slice of the gradients:
-    sum the squares of this rank's slices, all-reduce, then scale as torch's
-    `clip_grad_norm_` does (coefficient max_norm / (norm + 1e-6), clamped to 1). Zero padding
-    adds nothing to the norm."""
-    grads = [s.grad for s in shards if s.grad is not None]
-    device = shards[0].device if shards else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        squares += g.double().pow(2).sum()
-    dist.all_reduce(squares, group=group)
-    norm = squares.sqrt().float()
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(scale.to(g.dtype))
-    return norm
+def accumulate(held: torch.Tensor | None, new: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """`held + new`, in place in `held`; a copy of `new` (on `like`'s device and dtype) when
+    nothing is held yet, so the full buffer `new` may view can be freed."""
+    like = held if held is not None else like if like is not None else new
+    new = new.to(like.device, like.dtype, copy=held is None)
+    return new if held is None else held.add_(new)

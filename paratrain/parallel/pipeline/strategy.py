@@ -13,7 +13,6 @@ All stages of a replica read the same batches; the first uses the inputs, the la
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
@@ -23,6 +22,7 @@ from torch import nn
 from paratrain import comm
 from paratrain.comm import broadcast_coalesced
 from paratrain.errors import ConfigError
+from paratrain.optim import clip_grad_norm_over, rebuild_optimizer
 from paratrain.parallel.pipeline.partition import BALANCES, layer_costs, split_model
 from paratrain.parallel.pipeline.schedules import SCHEDULES
 from paratrain.parallel.pipeline.stage import PipelineStage
@@ -84,14 +84,7 @@ class Pipeline(Strategy):
         """Clip by the norm over all stages' gradients: squares summed over the pipeline group
         (replicas hold equal gradients after their all-reduce, so they are counted once)."""
         grads = [p.grad for p in model.module.parameters() if p.grad is not None]
-        square = torch.zeros((), dtype=torch.float64, device=model.links.device)
-        for g in grads:
-            square += g.detach().double().pow(2).sum()
-        total = comm.all_reduce(square, group=model.pipe_group).sqrt().float()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
+        return clip_grad_norm_over(grads, max_norm, model.pipe_group)
 
     def data_parallel(self, topology: Topology) -> tuple[int, int]:
         if topology.world_size % self.stages:
@@ -121,13 +114,8 @@ def stage_optimizer(optimizer: torch.optim.Optimizer, stage: nn.Module) -> torch
         raise ConfigError(f"the optimizer does not hold {len(mine - held)} parameter(s) of this "
                           "pipeline stage; create it from model.parameters() of the model passed "
                           "to setup()")
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [p for p in g["params"] if id(p) in mine]} for g in optimizer.param_groups]
-    try:
-        rebuilt = type(optimizer)([g for g in groups if g["params"]], **optimizer.defaults)
-    except TypeError as e:
-        raise ConfigError(f"cannot rebuild {type(optimizer).__name__} for this pipeline stage ({e}); "
-                          "create the optimizer after setup() from session.unwrap().parameters()") from None
+    rebuilt = rebuild_optimizer(optimizer, [[p for p in g["params"] if id(p) in mine]
+                                            for g in optimizer.param_groups])
     for p in stage.parameters():
         if p in optimizer.state:
             rebuilt.state[p] = optimizer.state[p]

@@ -1,0 +1,43 @@
+"""Optimizer helpers every strategy shares: rebuild an optimizer for other parameters, and clip
+by the global norm when each rank holds only part of the gradients."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.comm import group_device
+from paratrain.errors import ConfigError
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer,
+                      groups: list[list[nn.Parameter]]) -> torch.optim.Optimizer:
+    """A new optimizer of the same class whose param group i holds `groups[i]`, with the
+    hyperparameters of `optimizer`'s group i (empty groups are left out). Sharded and pipeline
+    strategies use it: the user made the optimizer for the whole model, a rank steps only its part."""
+    param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": params}
+                    for group, params in zip(optimizer.param_groups, groups) if params]
+    try:
+        return type(optimizer)(param_groups, **optimizer.defaults)
+    except TypeError as e:  # a constructor that wants more than param groups and defaults
+        raise ConfigError(f"cannot rebuild {type(optimizer).__name__} for this rank's parameters ({e}); "
+                          "use a torch.optim optimizer, or one whose constructor takes "
+                          "(param_groups, **defaults)") from None
+
+
+@torch.no_grad()
+def clip_grad_norm_over(grads: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
+    """Clip by the global norm when the ranks of `group` hold disjoint parts of the gradients
+    (ZeRO shards, pipeline stages): sum the squares of this rank's parts, all-reduce, then scale
+    as torch's `clip_grad_norm_` does (coefficient max_norm / (norm + 1e-6), clamped to 1).
+    Zero padding adds nothing to the norm."""
+    squares = torch.zeros((), dtype=torch.float64, device=group_device(group))
+    for g in grads:
+        squares += g.double().pow(2).sum().to(squares.device)
+    dist.all_reduce(squares, group=group)
+    norm = squares.sqrt().float()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.device, g.dtype))
+    return norm
