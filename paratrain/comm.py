@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.errors import ConfigError, UsageError
+from paratrain.topology import resolve_timeout
 
 SUM = dist.ReduceOp.SUM
 
@@ -56,11 +57,12 @@ def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
 def new_group(ranks: Sequence[int], *, timeout: float | None = None,
               backend: str | None = None) -> dist.ProcessGroup:
     """A group of the given global ranks. Collective: every rank of the job calls it, members or
-    not, in the same order. `timeout` in seconds (default: the default group's)."""
+    not, in the same order. `timeout` in seconds (default: PARATRAIN_TIMEOUT or 600, as the
+    default group's; torch's own default for new groups would be 30 minutes)."""
     world = dist.get_world_size()
     if len(set(ranks)) != len(ranks) or not all(0 <= r < world for r in ranks):
         raise ConfigError(f"new_group needs distinct ranks in 0…{world - 1}; got {list(ranks)}")
-    delta = None if timeout is None else datetime.timedelta(seconds=timeout)
+    delta = datetime.timedelta(seconds=resolve_timeout(timeout))
     return dist.new_group(ranks=sorted(ranks), timeout=delta, backend=backend)
 
 

@@ -47,6 +47,7 @@ class Topology:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: not known yet (a single process picks a free port at init)
     launcher: str = "single"  # torchrun | slurm | spawn | single
+    timeout_s: float | None = None  # every collective's limit, set by init(); groups inherit it
 
     @property
     def is_main(self) -> bool:
@@ -87,15 +88,16 @@ class Topology:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         port = self.master_port or _free_port()
+        timeout = resolve_timeout(timeout)
         if self.launcher == "torchrun":
             init_method = "env://"  # lets the elastic agent hand us its store
         else:
             init_method = f"tcp://{self.master_addr}:{port}"
         dist.init_process_group(
             backend=self.backend, init_method=init_method, rank=self.rank,
-            world_size=self.world_size, timeout=datetime.timedelta(seconds=resolve_timeout(timeout)),
+            world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout),
         )
-        return dataclasses.replace(self, master_port=port)
+        return dataclasses.replace(self, master_port=port, timeout_s=timeout)
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
@@ -112,7 +114,11 @@ def destroy() -> None:
 def resolve_timeout(timeout: float | None) -> float:
     """Seconds a collective may wait: the argument, else PARATRAIN_TIMEOUT, else 600."""
     if timeout is None:
-        timeout = float(os.environ.get("PARATRAIN_TIMEOUT", DEFAULT_TIMEOUT_S))
+        value = os.environ.get("PARATRAIN_TIMEOUT", DEFAULT_TIMEOUT_S)
+        try:
+            timeout = float(value)
+        except ValueError:
+            raise ConfigError(f"PARATRAIN_TIMEOUT={value!r} is not a number of seconds") from None
     if timeout <= 0:
         raise ConfigError(f"timeout must be a positive number of seconds; got {timeout}")
     return timeout
@@ -150,13 +156,17 @@ def rank_grid(topology: Topology) -> torch.Tensor:
     return torch.arange(topology.world_size).view(topology.num_nodes, topology.local_world_size)
 
 
-def groups_along(grid: torch.Tensor, rank: int, dim: int) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
+def groups_along(grid: torch.Tensor, rank: int, dim: int, *,
+                 timeout: float | None = None) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
     """Create one group per line of `grid` along `dim` (collective: every rank calls it) and
-    return the group holding `rank` with its member ranks."""
+    return the group holding `rank` with its member ranks. `timeout` in seconds (default
+    PARATRAIN_TIMEOUT or 600): torch's own default for new groups is 30 minutes, not the default
+    group's."""
     lines = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
+    delta = datetime.timedelta(seconds=resolve_timeout(timeout))
     mine: tuple[dist.ProcessGroup | None, tuple[int, ...]] = (None, ())
     for line in lines.tolist():
-        group = dist.new_group(ranks=line)
+        group = dist.new_group(ranks=line, timeout=delta)
         if rank in line:
             mine = (group, tuple(line))
     return mine
@@ -165,8 +175,8 @@ def groups_along(grid: torch.Tensor, rank: int, dim: int) -> tuple[dist.ProcessG
 def node_groups(topology: Topology) -> NodeGroups:
     """Intra-node and inter-node groups for this rank (collective: every rank calls it)."""
     grid = rank_grid(topology)
-    intra, intra_ranks = groups_along(grid, topology.rank, dim=1)
-    inter, inter_ranks = groups_along(grid, topology.rank, dim=0)
+    intra, intra_ranks = groups_along(grid, topology.rank, dim=1, timeout=topology.timeout_s)
+    inter, inter_ranks = groups_along(grid, topology.rank, dim=0, timeout=topology.timeout_s)
     return NodeGroups(intra, inter, intra_ranks, inter_ranks)
 
 

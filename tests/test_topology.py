@@ -1,4 +1,5 @@
 import os
+import time
 
 import pytest
 import torch
@@ -124,3 +125,18 @@ def test_runs_under_torch_multiprocessing_spawn(tmp_path):
     (launcher0, grad0), (_, grad1) = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
     assert launcher0 == "spawn"
     assert torch.equal(grad0, grad1) and torch.allclose(grad0, torch.ones(1, 3))  # mean of 0s and 2s
+
+
+def _skip_on_subgroup(topo):
+    groups = pt.node_groups(topo)
+    if topo.rank == 0:
+        torch.distributed.all_reduce(torch.ones(1), group=groups.intra_node)
+    elif topo.rank == 1:
+        time.sleep(30)  # alive but absent: only the timeout can end rank 0's wait
+
+
+def test_subgroups_inherit_the_collective_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 0"):
+        run_on_ranks(_skip_on_subgroup, 4, nodes=2, timeout=60, collective_timeout=3)
+    assert time.monotonic() - start < 20

@@ -55,8 +55,8 @@ class Pipeline(Strategy):
         parameters. Collective: every rank creates every group, in the same order."""
         replicas, _ = self.data_parallel(topology)
         grid = torch.arange(topology.world_size).view(replicas, self.stages)
-        pipe_group, pipe_ranks = groups_along(grid, topology.rank, dim=1)
-        dp_group, _ = groups_along(grid, topology.rank, dim=0)
+        pipe_group, pipe_ranks = groups_along(grid, topology.rank, dim=1, timeout=topology.timeout_s)
+        dp_group, _ = groups_along(grid, topology.rank, dim=0, timeout=topology.timeout_s)
         stage = pipe_ranks.index(topology.rank)
         module = self._cut(model)[stage].to(topology.device)
         broadcast_coalesced([*module.parameters(), *module.buffers()], dp_group)
