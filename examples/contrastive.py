@@ -77,7 +77,9 @@ def probe_accuracy(encoder: Encoder, train, test) -> float:
 
     encoder.eval()
     (xtr, ytr), (xte, yte) = train.tensors, test.tensors
-    htr, hte = encoder.features(xtr).numpy(), encoder.features(xte).numpy()  # (n, 128) each
+    device = next(encoder.parameters()).device
+    htr = encoder.features(xtr.to(device)).cpu().numpy()  # (n, 128)
+    hte = encoder.features(xte.to(device)).cpu().numpy()
     encoder.train()
     scaler = StandardScaler().fit(htr)
     clf = LogisticRegression(max_iter=1000).fit(scaler.transform(htr), ytr.numpy())

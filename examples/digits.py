@@ -50,10 +50,11 @@ def digits(seed: int, test_fraction: float = 0.2) -> tuple[TensorDataset, Tensor
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, data: TensorDataset) -> float:
+def accuracy(model: nn.Module, data: TensorDataset, device: torch.device) -> float:
     model.eval()
     x, y = data.tensors
-    correct = (model(x).argmax(1) == y).sum().item()
+    predicted = model(x.to(device)).argmax(1).cpu()
+    correct = (predicted == y).sum().item()
     model.train()
     return correct / len(y)
 
@@ -102,13 +103,13 @@ def main(argv: list[str] | None = None) -> float:
             epoch_losses.append(session.train_step(batch, F.cross_entropy).item())
         losses += epoch_losses
         mean_loss = pt.mean_metrics(sum(epoch_losses) / len(epoch_losses))
-        test_acc = accuracy(model, test)  # through the wrapper, on every rank (ZeRO-3 gathers there)
+        test_acc = accuracy(model, test, session.device)  # through the wrapper, on every rank
         rows.append(dict(epoch=epoch, loss=round(mean_loss, 6), test_accuracy=round(test_acc, 4),
                          samples_per_s=round(session.samples_per_second, 1)))
         session.print(f"epoch {epoch}: loss {mean_loss:.4f}  test accuracy {test_acc:.4f}  "
                       f"{session.samples_per_second:.0f} samples/s")
     elapsed = time.perf_counter() - start
-    test_acc = accuracy(model, test)
+    test_acc = accuracy(model, test, session.device)
     session.print(f"test accuracy: {test_acc:.4f}")
     session.print(f"samples per second: {len(train) * args.epochs / elapsed:.0f} "
                   f"({session.world_size} process(es), strategy {args.strategy}, {elapsed:.1f} s)")

@@ -61,6 +61,7 @@ class Session:
         self.progress_bar = progress_bar
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.loader: DataLoader | None = None  # the training loader setup() returned
         self.epoch = 0
         self.micro_step = 0  # micro-batches seen; an optimizer step every `accumulate`
         self.last_loss: torch.Tensor | None = None
@@ -103,7 +104,8 @@ class Session:
         if optimizer is not None:
             out.append(optimizer)
         if loader is not None:
-            out.append(self.shard_loader(loader))
+            self.loader = self.shard_loader(loader)
+            out.append(self.loader)
         return out[0] if len(out) == 1 else tuple(out)
 
     def shard_loader(self, loader: DataLoader) -> DataLoader:
@@ -151,6 +153,11 @@ class Session:
     def train_step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward `inputs`, `loss_fn(outputs, targets)`, backward, and — on the last of
         `accumulate` micro-batches — clip and step. Returns the (unscaled) loss, detached."""
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise UsageError(f"train_step takes batch = (inputs, targets); got a {type(batch).__name__}"
+                             f"{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. For "
+                             "other batches write the step: `with session.accumulation(): loss = ...; "
+                             "session.backward(loss)`, then `session.step()`")
         inputs, targets = self.to_device(batch)
         model = self._require_model()
         with self.accumulation():
@@ -194,26 +201,32 @@ class Session:
     # -- progress ----------------------------------------------------------------------------------
 
     def progress(self, loader: Iterable, desc: str | None = None) -> Iterator[Any]:
-        """Iterate `loader` for one epoch (reshuffled per epoch), with a progress bar on rank 0
-        showing the loss and global samples per second."""
+        """Iterate `loader` once, with a progress bar on rank 0 showing the loss and global samples
+        per second. For the training loader setup() returned, a full pass is one epoch: its
+        sampler is reshuffled for `session.epoch`, which then advances. Other loaders (validation)
+        are iterated as they are."""
+        training = loader is self.loader
         sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
+        if training and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)
         replicas, _ = self.strategy.data_parallel(self.topology)
         total = len(loader) if hasattr(loader, "__len__") else None
         bar = tqdm(total=total, desc=desc or f"epoch {self.epoch}", leave=False, mininterval=0.5,
                    disable=not (self.is_main and self.progress_bar), dynamic_ncols=True)
         samples, start = 0, time.perf_counter()
-        for batch in loader:
-            yield batch
-            samples += _batch_len(batch) * replicas
-            self.samples_per_second = samples / (time.perf_counter() - start)
-            if self.last_loss is not None and not bar.disable:
-                bar.set_postfix(loss=f"{self.last_loss.item():.4f}",
-                                samples_s=f"{self.samples_per_second:.0f}", refresh=False)
-            bar.update()
-        bar.close()
-        self.epoch += 1
+        try:
+            for batch in loader:
+                yield batch
+                samples += _batch_len(batch) * replicas
+                self.samples_per_second = samples / (time.perf_counter() - start)
+                if self.last_loss is not None and not bar.disable:
+                    bar.set_postfix(loss=f"{self.last_loss.item():.4f}",
+                                    samples_s=f"{self.samples_per_second:.0f}", refresh=False)
+                bar.update()
+            if training:
+                self.epoch += 1
+        finally:  # also when the loop breaks early
+            bar.close()
 
     # -- end ---------------------------------------------------------------------------------------
 

@@ -98,3 +98,31 @@ def test_single_strategy_refuses_many_processes():
 def test_accumulate_must_be_positive():
     with pytest.raises(pt.ConfigError, match="accumulate must be at least 1"):
         pt.Session("single", accumulate=0)
+
+
+def test_train_step_names_the_batch_it_expects():
+    session = pt.Session("single", progress_bar=False)
+    try:
+        session.setup(make_model("mlp"), None)
+        with pytest.raises(pt.UsageError, match="batch = \\(inputs, targets\\); got a dict"):
+            session.train_step({"x": torch.zeros(2, 12)}, F.cross_entropy)
+    finally:
+        session.close()
+
+
+def test_progress_counts_epochs_of_the_training_loader_only():
+    session = pt.Session("single", progress_bar=False)
+    try:
+        model = make_model("mlp")
+        _, _, train = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    DataLoader(_dataset(), batch_size=8, shuffle=True))
+        for _ in session.progress(DataLoader(_dataset(), batch_size=8)):  # validation: no epoch
+            pass
+        for _ in session.progress(train):
+            break  # an interrupted pass is not an epoch either
+        assert session.epoch == 0
+        for _ in session.progress(train):
+            pass
+        assert session.epoch == 1 and train.sampler.epoch == 0
+    finally:
+        session.close()

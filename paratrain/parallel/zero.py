@@ -191,7 +191,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    if isinstance(optimizer, (torch.optim.LBFGS, getattr(torch.optim, "Adafactor", ()))):
+    whole_tensor = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "Muon")
+                         if hasattr(torch.optim, name))
+    if isinstance(optimizer, whole_tensor):
         raise ConfigError(f"{type(optimizer).__name__} looks across whole tensors, so it cannot step "
                           "a flat shard exactly; use an element-wise optimizer (SGD, Adam, AdamW, …) "
                           "with ZeRO, or strategy 'ddp'")
