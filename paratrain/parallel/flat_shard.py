@@ -53,7 +53,7 @@ class FlatShard:
         for slot, value in zip(slots, values):
             flat[slot.offset:slot.offset + slot.shape.numel()].copy_(value.detach().reshape(-1))
         home = torch.device("cpu") if offload else flat.device
-        pin = offload and flat.device.type == "cuda"  # page-locked, so copies can overlap compute
+        pin = offload and flat.device.type == "cuda"  # page-locked: faster host-device copies
         shard = flat.view(world, -1)[rank].to(home, copy=True)
         self.shard = nn.Parameter(shard.pin_memory() if pin else shard)  # (padded / N,)
         self.full = torch.empty(self.padded, dtype=param_dtype or flat.dtype, device=flat.device,
