@@ -92,6 +92,7 @@ class PipelineStage(nn.Module):
         self._targets = targets.chunk(m)
         self._loss_fn, self._scale = loss_fn, scale / m
         self._losses, self.events = [], []
+        self._stash.clear()  # a step that raised may have left activations behind
         self.links.begin(tuple(self._inputs[0].shape))
 
     def finish_step(self) -> torch.Tensor:
@@ -157,10 +158,15 @@ class PipelineStage(nn.Module):
 
     def sync_grads(self) -> None:
         """Average this stage's gradients over its replicas: one all-reduce per dtype. A
-        parameter without a gradient counts as zero (it may have one on another replica)."""
+        parameter without a gradient counts as zero where another replica has one, and keeps
+        None where no replica has one (so the optimizer skips it, as one process would)."""
         if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
             return
         params = [p for p in self.module.parameters() if p.requires_grad]
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                                device=self.links.device)
+        comm.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=self.dp_group)
+        params = [p for p, anywhere in zip(params, has_grad.tolist()) if anywhere]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
