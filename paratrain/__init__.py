@@ -10,7 +10,7 @@
 from paratrain.comm import all_gather_with_grad, broadcast_object, mean_metrics, ring_all_reduce
 from paratrain.contrastive import Gathered, gather_embeddings, nt_xent_loss
 from paratrain.data import DistributedSampler, partition
-from paratrain.errors import CommError, ConfigError, ParatrainError, UsageError
+from paratrain.errors import CheckpointError, CommError, ConfigError, ParatrainError, UsageError
 from paratrain.parallel.ddp import DistributedDataParallel
 from paratrain.parallel.dp import DP, DataParallel
 from paratrain.parallel.hierarchical import Hierarchical, HierarchicalDataParallel
@@ -25,7 +25,7 @@ from paratrain.topology import NodeGroups, Topology, destroy, node_groups
 __version__ = "0.1.0"
 
 __all__ = [
-    "CommError", "ConfigError", "ParatrainError", "UsageError",
+    "CheckpointError", "CommError", "ConfigError", "ParatrainError", "UsageError",
     "Topology", "NodeGroups", "destroy", "node_groups",
     "all_gather_with_grad", "broadcast_object", "mean_metrics", "ring_all_reduce",
     "gather_embeddings", "nt_xent_loss", "Gathered",

@@ -13,5 +13,9 @@ class CommError(ParatrainError, RuntimeError):
     """A collective failed or timed out, or ranks disagree about what to do."""
 
 
+class CheckpointError(ParatrainError, RuntimeError):
+    """A checkpoint could not be written; the ones written before are intact."""
+
+
 class UsageError(ParatrainError, RuntimeError):
     """The library was called in an order or a way it cannot honour."""

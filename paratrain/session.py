@@ -19,7 +19,11 @@ session.backward(loss)` followed by `session.step()`.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import random
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -28,6 +32,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from torch.utils._pytree import tree_flatten, tree_map
 from tqdm.auto import tqdm
 
+from paratrain import checkpoint
 from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.data import DistributedSampler
 from paratrain.errors import ConfigError, UsageError
@@ -122,7 +127,11 @@ class Session:
         sampler = DistributedSampler(loader.dataset, num_replicas=replicas, rank=index,
                                      shuffle=isinstance(loader.sampler, RandomSampler),
                                      seed=self.seed, drop_last=loader.drop_last)
+        # its own generator: starting an iterator draws the workers' base seed from it, and from
+        # torch's global RNG without one, which would shift dropout masks after a resume
+        generator = torch.Generator().manual_seed(self.seed + self.rank)
         return DataLoader(loader.dataset, batch_size=batch // replicas, sampler=sampler,
+                          generator=generator,
                           num_workers=loader.num_workers, collate_fn=loader.collate_fn,
                           pin_memory=loader.pin_memory or self.device.type == "cuda",
                           drop_last=loader.drop_last, timeout=loader.timeout,
@@ -228,6 +237,49 @@ class Session:
         finally:  # also when the loop breaks early
             bar.close()
 
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Save model, optimizer, epoch and micro-step, the sampler's position and every rank's RNG
+        states to `path` (checkpoint.py: sharded, atomic). A collective: every rank calls it."""
+        rng = _rng_state()
+        if self.loader is not None:
+            rng["loader"] = self.loader.generator.get_state()
+        return checkpoint.save(path, self._require_model(), self.optimizer, state=self._position(),
+                               rng=rng)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Load a checkpoint written by `save` under any strategy and world size; training then
+        continues exactly where it stopped (RNG states too, when the world size is the same)."""
+        loaded = checkpoint.load(path, self._require_model(), self.optimizer)
+        state = loaded["state"]
+        self.epoch, self.micro_step = state.get("epoch", 0), state.get("micro_step", 0)
+        sampler = getattr(self.loader, "sampler", None)
+        if state.get("sampler") and hasattr(sampler, "load_state_dict"):
+            sampler.load_state_dict(state["sampler"])
+        if loaded["rng"]:
+            _set_rng_state(loaded["rng"])
+            if "loader" in loaded["rng"] and self.loader is not None:
+                self.loader.generator.set_state(loaded["rng"]["loader"])
+
+    def checkpoint(self, root: str | os.PathLike, keep: int = 3) -> Path:
+        """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there."""
+        path = self.save(Path(root) / f"step-{self.micro_step // self.accumulate:08d}")
+        checkpoint.prune(root, keep)
+        return path
+
+    def resume(self, root: str | os.PathLike) -> bool:
+        """Load the newest complete checkpoint under `root`, if there is one; say whether."""
+        path = checkpoint.latest(root) if Path(root).is_dir() else None
+        if path is not None:
+            self.load(path)
+        return path is not None
+
+    def _position(self) -> dict:
+        sampler = getattr(self.loader, "sampler", None)
+        return {"epoch": self.epoch, "micro_step": self.micro_step, "strategy": self.strategy.name,
+                "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None}
+
     # -- end ---------------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -244,6 +296,32 @@ class Session:
         if self.model is None:
             raise UsageError("call session.setup(model, optimizer, loader) before training")
         return self.model
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    """This process's random states as uint8 tensors (torch, CUDA, Python's random, NumPy's)."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    plain = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
+    state = {"torch": torch.get_rng_state(),
+             "plain": torch.tensor(list(json.dumps(plain).encode()), dtype=torch.uint8)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    plain = json.loads(bytes(state["plain"].tolist()).decode())
+    version, internal, gauss = plain["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def _batch_len(batch: Any) -> int:

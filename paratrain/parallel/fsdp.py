@@ -35,6 +35,7 @@ from paratrain.comm import broadcast_coalesced, prefers_reduce_scatter
 from paratrain.errors import UsageError
 from paratrain.parallel.flat_shard import FlatShard, ParamSlot
 from paratrain.optim import clip_grad_norm_over
+from paratrain.state_layout import FlatLayout
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,12 @@ class FullyShardedDataParallel(nn.Module):
                 flat.load_values([state[s.names[0]] for s in flat.slots])
         buffers = self.module.state_dict()
         self.module.load_state_dict({k: state[k] for k in buffers}, strict=False)
+
+    def checkpoint_layouts(self) -> dict[nn.Parameter, FlatLayout]:
+        """Each shard and the parameters its flat buffer holds (checkpoints, state_layout.py)."""
+        return {f.shard: FlatLayout(tuple((s.names[0], s.offset, s.shape) for s in f.slots),
+                                    f.padded // self.world, self.rank, self.world)
+                for u in self.units for f in u.flats}
 
     def _gathered_params(self) -> dict[str, torch.Tensor]:
         out = {}

@@ -34,6 +34,7 @@ from paratrain.errors import ConfigError
 from paratrain.optim import clip_grad_norm_over, rebuild_optimizer
 from paratrain.parallel.buckets import Bucket, GradBuckets
 from paratrain.parallel.ddp import DistributedDataParallel
+from paratrain.state_layout import FlatLayout
 
 
 @dataclass
@@ -138,6 +139,13 @@ class ZeroDataParallel(DistributedDataParallel):
         self.attach_shard_grads()
         return clip_grad_norm_over([s.grad for s in self.shards if s.grad is not None], max_norm,
                                    self.process_group)
+
+    def optimizer_layouts(self) -> dict[nn.Parameter, FlatLayout]:
+        """Each shard the optimizer steps and the parameters its bucket holds (checkpoints)."""
+        names = {p: n for n, p in self.module.named_parameters()}
+        return {shard: FlatLayout(tuple((names[p], off, p.shape) for p, off in zip(b.params, b.offsets)),
+                                  b.buffer.numel() // self.world, self.rank, self.world)
+                for b, shard in zip(self._buckets.buckets, self.shards)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict (parameters are whole on every rank in stages 1 and 2)."""

@@ -44,6 +44,8 @@ class PipelineStage(nn.Module):
     device: where this stage's layers, activations and gradients live.
     """
 
+    is_pipeline = True  # holds one stage, not the model (checkpoints refuse it for now)
+
     def __init__(self, module: nn.Module, *, stage: int, stages: int, schedule: Schedule,
                  microbatches: int, pipe_group: dist.ProcessGroup | None,
                  dp_group: dist.ProcessGroup | None, device: torch.device):

@@ -1,0 +1,140 @@
+"""The canonical, world-size-free view of a model and optimizer that checkpoints store.
+
+[Note: the canonical layout]
+Every parameter is stored flattened to 1-D under "model/<name>" (its name in the user's own
+model), every buffer as it is under "buffers/<name>", and every optimizer state tensor of a
+parameter's size under "optim/<name>/<key>", flattened the same way; scalar state (Adam's "step")
+is "optim/<name>/<key>", 0-d. Strategies that hold whole parameters (single, DDP, ZeRO 1-2 for
+parameters) give whole tensors, which torch.distributed.checkpoint writes once. Sharded holders
+(ZeRO-1/2 optimizer state, ZeRO-3 parameters and state) give, for each parameter, the pieces of
+its flattened form that this rank's flat shard holds, as a ShardedTensor whose chunks are those
+pieces; no rank gathers anything. Loading builds the same view for the new layout and the
+checkpoint reader fills the pieces the new layout asks for from whatever was written: so a
+checkpoint loads under another world size and another strategy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paratrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Which parameters a flat, sharded buffer holds, and which slice of it this rank owns."""
+
+    slots: tuple[tuple[str, int, torch.Size], ...]  # (name, offset in the flat buffer, shape)
+    shard_size: int  # elements per rank (the padded buffer / world)
+    rank: int
+    world: int
+
+    def pieces(self, rank: int) -> list[tuple[str, int, int, int]]:
+        """(name, offset in the flattened parameter, offset in the shard, length) of each
+        parameter piece rank `rank`'s shard holds."""
+        lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        out = []
+        for name, offset, shape in self.slots:
+            a, b = max(lo, offset), min(hi, offset + shape.numel())
+            if a < b:
+                out.append((name, a - offset, a - lo, b - a))
+        return out
+
+
+def model_layout(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[nn.Parameter, FlatLayout], dict]:
+    """(whole tensors by key, layout of each flat shard parameter, name → shape) of `model`."""
+    if hasattr(model, "checkpoint_layouts"):  # ZeRO stage 3 (fsdp.py)
+        layouts = model.checkpoint_layouts()
+        module = model.module
+        whole = {}
+    else:
+        module = getattr(model, "module", model)
+        if getattr(model, "is_pipeline", False):
+            raise ConfigError("checkpoints of pipeline stages are not supported yet; save with "
+                              "another strategy")
+        whole = {f"model/{n}": p.detach().view(-1) for n, p in module.named_parameters()}
+        layouts = getattr(model, "optimizer_layouts", lambda: {})()  # ZeRO stages 1 and 2
+    shapes = {n: s for layout in layouts.values() for n, _, s in layout.slots}
+    shapes.update({n: p.shape for n, p in module.named_parameters()})
+    whole.update({f"buffers/{n}": b for n, b in module.named_buffers()})
+    return whole, layouts, shapes
+
+
+def state_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                  optim_keys: dict[str, torch.dtype] | None = None) -> tuple[dict, dict]:
+    """The checkpoint entries of `model` and `optimizer` (tensors to write, or to load into),
+    and the name → shape map. `optim_keys`, when loading, are the optimizer state keys the
+    checkpoint holds (key → dtype): missing state is created so it can be filled in place."""
+    whole, layouts, shapes = model_layout(model)
+    entries = dict(whole)
+    names = _names_by_param(getattr(model, "module", model))
+    if hasattr(model, "checkpoint_layouts"):  # the parameters themselves are sharded
+        for shard, layout in layouts.items():
+            entries.update(_sharded("model/{}", shard.detach(), layout, shapes))
+    if optimizer is not None:
+        for param, state in _optimizer_states(optimizer, optim_keys):
+            layout = layouts.get(param)
+            for key, value in state.items():
+                if not torch.is_tensor(value):
+                    continue
+                if value.dim() == 0:  # the same on every parameter a holder steps
+                    targets = [n for n, *_ in layout.slots] if layout else [names[param]]
+                    entries.update({f"optim/{n}/{key}": value for n in targets})
+                elif layout is not None:
+                    entries.update(_sharded("optim/{}/" + key, value, layout, shapes))
+                else:
+                    entries[f"optim/{names[param]}/{key}"] = value.view(-1)
+    return entries, shapes
+
+
+def _optimizer_states(optimizer, optim_keys):
+    inner = getattr(optimizer, "inner", optimizer)  # ZeRO 1-2 wraps the rebuilt optimizer
+    for group in inner.param_groups:
+        for p in group["params"]:
+            state = inner.state[p]
+            for key, dtype in (optim_keys or {}).items():
+                if key not in state:  # a fresh optimizer: make the state the checkpoint fills
+                    scalar = key in _SCALAR_KEYS
+                    state[key] = torch.zeros((), dtype=dtype) if scalar else torch.zeros_like(p, dtype=dtype)
+            yield p, state
+
+
+_SCALAR_KEYS = {"step"}
+
+
+def _sharded(pattern: str, local: torch.Tensor, layout: FlatLayout, shapes: dict) -> dict:
+    """One ShardedTensor per parameter the flat shard touches: this rank's pieces are views of
+    `local` (so loading writes straight into it), every rank's pieces are the global metadata."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import (Shard, ShardedTensor, ShardedTensorMetadata,
+                                                          TensorProperties)
+
+    everyone: dict[str, list[ShardMetadata]] = {}
+    for rank in range(layout.world):
+        for name, param_offset, _, length in layout.pieces(rank):
+            everyone.setdefault(name, []).append(
+                ShardMetadata([param_offset], [length], f"rank:{rank}/{local.device.type}"))
+    out = {}
+    flat = local.reshape(-1)
+    with warnings.catch_warnings():  # ShardedTensor is deprecated for DTensor, which cannot
+        warnings.simplefilter("ignore")  # describe pieces at arbitrary offsets
+        for name, param_offset, local_offset, length in layout.pieces(layout.rank):
+            piece = flat[local_offset:local_offset + length]
+            meta = ShardedTensorMetadata(everyone[name], torch.Size([shapes[name].numel()]),
+                                         TensorProperties(dtype=local.dtype))
+            shard = Shard(piece, ShardMetadata([param_offset], [length], f"rank:{layout.rank}/{local.device.type}"))
+            out[pattern.format(name)] = ShardedTensor._init_from_local_shards_and_global_metadata([shard], meta)
+        for name in everyone.keys() - {n for n, *_ in layout.pieces(layout.rank)}:
+            meta = ShardedTensorMetadata(everyone[name], torch.Size([shapes[name].numel()]),
+                                         TensorProperties(dtype=local.dtype))
+            out.setdefault(pattern.format(name),
+                           ShardedTensor._init_from_local_shards_and_global_metadata([], meta))
+    return out
+
+
+def _names_by_param(module: nn.Module) -> dict[nn.Parameter, str]:
+    return {p: n for n, p in module.named_parameters()}

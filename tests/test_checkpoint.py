@@ -1,0 +1,182 @@
+"""Checkpoints: resharding across world sizes and strategies, exact resume, atomic saves,
+damaged or foreign checkpoints, no unpickling of arbitrary objects."""
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain as pt
+from paratrain import checkpoint
+from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
+from models import make_batches, make_model
+
+GLOBAL_BATCH = 8
+
+
+def _data():
+    xs, ys = make_batches(1, 48, seed=7)
+    return TensorDataset(xs[0], ys[0])
+
+
+def _session(topo, strategy, name="tied"):
+    if strategy == "zero3-units":
+        strategy = pt.ZeRO(stage=3, wrap_policy=pt.WrapPolicy(module_classes=(torch.nn.Linear,)))
+    session = pt.Session(strategy, topology=topo, progress_bar=False, seed=3)
+    model = make_model(name)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    session.setup(model, optimizer, DataLoader(_data(), batch_size=GLOBAL_BATCH, shuffle=True))
+    return session
+
+
+def _batches(session):
+    while True:  # epoch after epoch, as a training loop does
+        yield from session.progress(session.loader)
+
+
+def _train(session, steps):
+    """`steps` more steps of one uninterrupted loop (the loop survives between calls)."""
+    if not hasattr(session, "_test_batches"):
+        session._test_batches = _batches(session)
+    for _ in range(steps):
+        session.train_step(next(session._test_batches), F.cross_entropy)
+    return session.full_state_dict()
+
+
+def _train_and_save(topo, strategy, steps, path):
+    session = _session(topo, strategy)
+    _train(session, steps)
+    session.save(path)
+    return True
+
+
+def _load_and_train(topo, strategy, steps, path):
+    session = _session(topo, strategy)
+    session.load(path)
+    return _train(session, steps)
+
+
+def _uninterrupted(topo, strategy, steps):
+    return _train(_session(topo, strategy), steps)
+
+
+@pytest.mark.parametrize("saver,loader", [
+    (("ddp", 4), ("zero3-units", 2)),
+    (("zero3-units", 2), ("single", 1)),
+    (("zero1", 2), ("zero2", 4)),
+    (("zero2", 4), ("ddp", 2)),
+])
+def test_a_checkpoint_loads_under_another_world_size_and_strategy(tmp_path, saver, loader):
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(_train_and_save, saver[1], saver[0], 3, path)
+    resumed = run_on_ranks(_load_and_train, loader[1], loader[0], 2, path)
+    expected = run_on_ranks(_uninterrupted, 1, "single", 5)[0]
+    for state in resumed:
+        assert_same_params(state, expected, atol=1e-6)
+
+
+def _resume_exactly(topo, root, first, then):
+    """`first` steps, a checkpoint, `then` more; and a fresh session resuming from it."""
+    session = _session(topo, "ddp", name="dropout")  # dropout: the RNG states must resume too
+    _train(session, first)
+    session.checkpoint(root, keep=2)
+    straight = _train(session, then)
+    resumed = _session(topo, "ddp", name="dropout")
+    torch.manual_seed(12345)  # whatever happened since, the checkpoint's RNG states win
+    assert resumed.resume(root)
+    return straight, _train(resumed, then)
+
+
+def test_resume_continues_bitwise_mid_epoch_with_rng_and_sampler(tmp_path):
+    for straight, resumed in run_on_ranks(_resume_exactly, 2, str(tmp_path), 4, 5):
+        assert_same_params(resumed, straight, atol=0)
+
+
+def _checkpoints(topo, root):
+    session = _session(topo, "zero2")
+    paths = []
+    for _ in range(4):
+        _train(session, 1)
+        paths.append(session.checkpoint(root, keep=2).name)
+    return paths, sorted(p.name for p in checkpoint.Path(root).iterdir())
+
+
+def test_keeps_the_newest_k(tmp_path):
+    paths, left = run_on_ranks(_checkpoints, 2, str(tmp_path))[0]
+    assert paths == ["step-00000001", "step-00000002", "step-00000003", "step-00000004"]
+    assert left == ["step-00000003", "step-00000004"]
+
+
+def _crash_during_save(topo, root):
+    session = _session(topo, "zero3-units")
+    _train(session, 1)
+    good = session.checkpoint(root)
+    _train(session, 1)
+    original = checkpoint.dcp.FileSystemWriter.finish
+
+    def crash(self, *args, **kwargs):  # every rank's data is written, the metadata never is
+        raise OSError("disk full, on purpose")
+
+    checkpoint.dcp.FileSystemWriter.finish = crash
+    try:
+        session.checkpoint(root)
+        raise AssertionError("the save should have failed")
+    except pt.CheckpointError as e:
+        assert "every checkpoint saved before is intact" in str(e)
+    finally:
+        checkpoint.dcp.FileSystemWriter.finish = original
+    fresh = _session(topo, "zero3-units")
+    assert fresh.resume(root)
+    return good.name, checkpoint.latest(root).name, sorted(p.name for p in checkpoint.Path(root).iterdir())
+
+
+def test_a_save_interrupted_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    good, latest, names = run_on_ranks(_crash_during_save, 2, str(tmp_path))[0]
+    assert latest == good == "step-00000001"
+    assert "step-00000002.partial" in names and "step-00000002" not in names
+
+
+def _save_single(topo, path, name="tied"):
+    session = _session(topo, "single", name=name)
+    _train(session, 1)
+    session.save(path)
+
+
+def _load_single(topo, path, name="tied"):
+    _session(topo, "single", name=name).load(path)
+
+
+def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    run_on_ranks(_save_single, 1, str(tmp_path / "c"))
+    with pytest.raises(RankFailure, match="holds another model"):
+        run_on_ranks(_load_single, 1, str(tmp_path / "c"), "mlp")
+
+
+def test_a_truncated_file_is_a_clear_error(tmp_path):
+    run_on_ranks(_save_single, 1, str(tmp_path / "c"))
+    data = next(p for p in (tmp_path / "c").iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(RankFailure, match="damaged or incomplete"):
+        run_on_ranks(_load_single, 1, str(tmp_path / "c"))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_loading_refuses_to_unpickle_arbitrary_objects(tmp_path):
+    run_on_ranks(_save_single, 1, str(tmp_path / "c"))
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(RankFailure, match="refusing to load posix.system"):
+        run_on_ranks(_load_single, 1, str(tmp_path / "c"))
+
+
+def test_an_interrupted_directory_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "step-00000009.partial").mkdir()
+    with pytest.raises(pt.ConfigError, match="not a complete paratrain checkpoint"):
+        checkpoint.load(tmp_path / "step-00000009.partial", make_model("mlp"))
+    assert checkpoint.latest(tmp_path) is None
