@@ -79,6 +79,23 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return {"state": meta["state"], "rng": rng if meta["world_size"] == _world() else {}}
 
 
+def export_safetensors(path: str | os.PathLike, state: dict[str, torch.Tensor]) -> Path | None:
+    """Write a full (gathered) state dict as one `.safetensors` file for inference, on rank 0.
+    Tied weights are written under each of their names."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ConfigError("exporting needs the safetensors package: pip install safetensors "
+                          "(or paratrain[export])") from None
+    if not _is_main():
+        return None
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(partial))
+    os.replace(partial, path)
+    return path
+
+
 def latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint `root/step-*`, or None."""
     done = sorted(p for p in Path(root).glob("step-*") if (p / MARKER).is_file())

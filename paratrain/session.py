@@ -275,6 +275,11 @@ class Session:
             self.load(path)
         return path is not None
 
+    def export(self, path: str | os.PathLike) -> Path | None:
+        """The whole model as one `.safetensors` file for inference (gathered from every rank,
+        written by rank 0). A collective."""
+        return checkpoint.export_safetensors(path, self.full_state_dict())
+
     def _position(self) -> dict:
         sampler = getattr(self.loader, "sampler", None)
         return {"epoch": self.epoch, "micro_step": self.micro_step, "strategy": self.strategy.name,

@@ -180,3 +180,20 @@ def test_an_interrupted_directory_is_not_a_checkpoint(tmp_path):
     with pytest.raises(pt.ConfigError, match="not a complete paratrain checkpoint"):
         checkpoint.load(tmp_path / "step-00000009.partial", make_model("mlp"))
     assert checkpoint.latest(tmp_path) is None
+
+
+def _export(topo, path):
+    session = _session(topo, "zero3-units")
+    _train(session, 2)
+    session.export(path)
+    return session.full_state_dict()
+
+
+def test_export_writes_one_safetensors_file_of_the_whole_model(tmp_path):
+    from safetensors.torch import load_file
+
+    state = run_on_ranks(_export, 2, str(tmp_path / "model.safetensors"))[0]
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    assert_same_params(exported, state, atol=0)
+    model = make_model("tied")
+    model.load_state_dict(exported)  # loads into the plain, unwrapped model
