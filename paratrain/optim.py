@@ -3,6 +3,8 @@ by the global norm when each rank holds only part of the gradients."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,8 +20,12 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer,
     strategies use it: the user made the optimizer for the whole model, a rank steps only its part."""
     param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": params}
                     for group, params in zip(optimizer.param_groups, groups) if params]
+    # the groups carry every hyperparameter; pass on only the defaults the constructor names
+    # (AdamW's defaults hold `decoupled_weight_decay`, which its constructor does not take)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     try:
-        return type(optimizer)(param_groups, **optimizer.defaults)
+        return type(optimizer)(param_groups, **defaults)
     except TypeError as e:  # a constructor that wants more than param groups and defaults
         raise ConfigError(f"cannot rebuild {type(optimizer).__name__} for this rank's parameters ({e}); "
                           "use a torch.optim optimizer, or one whose constructor takes "

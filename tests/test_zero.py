@@ -16,6 +16,8 @@ CHUNKED = {"bn"}  # per-replica BatchNorm statistics: the reference splits the b
 def _optimizer(kind, params):
     if kind == "adam":
         return torch.optim.Adam(params, lr=0.01)
+    if kind == "adamw":  # its defaults hold a key its constructor does not take
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
@@ -59,7 +61,8 @@ def reference(name, world, accumulate, optim):
 
 CASES = [(stage, name, world, optim, 1) for stage in (1, 2) for name in ("mlp", "tied", "bn")
          for world in (2, 4) for optim in ("adam", "sgd") if not (world == 4 and name == "bn")]
-CASES += [(1, "mlp", 2, "adam", 2), (2, "mlp", 2, "adam", 2), (2, "tied", 4, "sgd", 2)]
+CASES += [(1, "mlp", 2, "adam", 2), (2, "mlp", 2, "adam", 2), (2, "tied", 4, "sgd", 2),
+          (1, "tied", 2, "adamw", 1)]
 
 
 @pytest.mark.parametrize("stage,name,world,optim,accumulate", CASES)
@@ -94,7 +97,7 @@ def _train_stage3(topo, name, optim, accumulate):
 
 CASES3 = [(name, world, optim, 1) for name in ("mlp", "tied", "bn", "unused") for world in (2, 4)
           for optim in ("adam", "sgd") if not (world == 4 and name in ("bn", "unused"))]
-CASES3 += [("mlp", 2, "adam", 2), ("tied", 4, "sgd", 2)]
+CASES3 += [("mlp", 2, "adam", 2), ("tied", 4, "sgd", 2), ("tied", 2, "adamw", 1)]
 
 
 @pytest.mark.parametrize("name,world,optim,accumulate", CASES3)
