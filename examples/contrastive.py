@@ -86,8 +86,9 @@ def probe_accuracy(encoder: Encoder, train, test) -> float:
     return float(clf.score(scaler.transform(hte), yte.numpy()))
 
 
-def train(session: pt.Session, negatives: str, args, train_set) -> Encoder:
-    """Contrastive training from the same initial weights for every setting."""
+def train(negatives: str, args, train_set) -> Encoder:
+    """Contrastive training from the same initial weights for every setting (a session each)."""
+    session = pt.Session(strategy="ddp", seed=args.seed)
     torch.manual_seed(args.seed)
     model = Encoder()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -101,7 +102,6 @@ def train(session: pt.Session, negatives: str, args, train_set) -> Encoder:
         return nt_xent_loss(*z.chunk(2), temperature=args.temperature, gather=gather)
 
     g = torch.Generator().manual_seed(1000 * args.seed + session.rank)  # each rank its own views
-    session.epoch = 0
     for epoch in range(args.epochs):
         losses = []
         for x, labels in session.progress(loader, desc=f"{negatives} epoch {epoch}"):
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     results = {}
     for negatives in settings:
         start = time.perf_counter()
-        encoder = train(session, negatives, args, train_set)
+        encoder = train(negatives, args, train_set)
         if session.is_main:
             results[negatives] = probe_accuracy(encoder, train_set, test_set)
             seconds = time.perf_counter() - start

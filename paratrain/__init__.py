@@ -18,6 +18,8 @@ from paratrain.parallel.model_parallel import LayersOnDevices, ModelParallel
 from paratrain.parallel.pipeline import Pipeline, PipelineStage
 from paratrain.parallel.fsdp import WrapPolicy
 from paratrain.parallel.shard import full_state_dict, shard
+from paratrain.metrics import MetricsLogger
+from paratrain.precision import GradScaler
 from paratrain.session import Session
 from paratrain.strategy import DDP, Single, Strategy, ZeRO
 from paratrain.topology import NodeGroups, Topology, destroy, node_groups
@@ -33,5 +35,6 @@ __all__ = [
     "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel", "LayersOnDevices",
     "PipelineStage",
     "shard", "full_state_dict", "WrapPolicy",
+    "GradScaler", "MetricsLogger",
     "Session", "Strategy", "Single", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
 ]

@@ -62,6 +62,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """Load `path` into `model` and `optimizer` (in place, whatever strategy and world size wrote
     it). Returns {"state": …, "rng": this rank's rng tensors or {}}. A collective."""
     path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"there is no checkpoint at {path}: nothing exists there; pass the path save() "
+                          "returned, or session.resume(root) to load the newest one if there is one")
     if not (path / MARKER).is_file():
         raise ConfigError(f"{path} is not a complete paratrain checkpoint (no {MARKER}): it may be a "
                           "save that was interrupted; use paratrain.checkpoint.latest(root)")

@@ -80,6 +80,9 @@ def _add_run_parser(commands) -> None:
     run.add_argument("--timeout", type=float, metavar="SECONDS",
                      help="every collective gives up after this long (exported as PARATRAIN_TIMEOUT; "
                      "default: 600)")
+    run.add_argument("--debug-collectives", action="store_true",
+                     help="check that every rank issues the same collective and fail naming both when they "
+                          "differ, instead of hanging (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL; slower)")
     run.add_argument("--backend", choices=("gloo", "nccl"),
                      help="exported as PARATRAIN_BACKEND (default: nccl with CUDA, else gloo)")
     run.add_argument("-m", "--module", action="store_true",
@@ -148,6 +151,8 @@ def _export_env(args: argparse.Namespace) -> None:
         os.environ["PARATRAIN_TIMEOUT"] = str(args.timeout)
     if args.backend:
         os.environ["PARATRAIN_BACKEND"] = args.backend
+    if args.debug_collectives:  # read by Topology.init, before the process group exists
+        os.environ["PARATRAIN_DEBUG_COLLECTIVES"] = "1"
     # torchrun would set 1 and print a warning banner; share this node's cores instead
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
 

@@ -14,6 +14,11 @@ change what one optimizer step sees.
 `train_step(batch, loss_fn)` takes `batch = (inputs, targets)` and `loss_fn(outputs, targets)`.
 For loops that need more control, the same step is `with session.accumulation(): loss = …;
 session.backward(loss)` followed by `session.step()`.
+
+Mixed precision: `Session(precision="bf16")` runs forward and loss (inside `accumulation()`) under
+`torch.autocast`; `"fp16"` also scales the loss with `precision.GradScaler`, whose inf check spans
+the ranks that hold parts of the gradients. Losses averaged over a varying number of tokens:
+`train_step(batch, loss_fn, weight=num_tokens)` (see `backward`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 from torch.utils._pytree import tree_flatten, tree_map
@@ -36,6 +42,9 @@ from paratrain import checkpoint
 from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.data import DistributedSampler
 from paratrain.errors import ConfigError, UsageError
+from paratrain.comm import group_device
+from paratrain.metrics import MetricsLogger
+from paratrain.precision import GradScaler, autocast_dtype
 from paratrain.parallel.shard import full_state_dict
 from paratrain.strategy import Strategy, resolve
 from paratrain.topology import NodeGroups, Topology, destroy, node_groups
@@ -50,20 +59,40 @@ class Session:
     accumulate: micro-batches per optimizer step; gradients are averaged over them and
         communication happens only on the last one.
     max_grad_norm: clip the global gradient norm to this before each optimizer step.
+    precision: "32" (the parameters' dtype), "bf16" or "fp16": forward and loss under
+        `torch.autocast` in that dtype; parameters, gradients and optimizer state stay fp32.
+        "fp16" also scales the loss (`grad_scaler`, default `paratrain.GradScaler()`): a step
+        with an inf or nan gradient on any rank is skipped by every rank.
     seed: seeds torch on every rank and the data order of every epoch.
     timeout: seconds any collective may wait before the job fails (default PARATRAIN_TIMEOUT or 600).
+    nan_check: raise when a micro-batch's loss is NaN or infinite, before the optimizer steps (one
+        host-device sync per micro-batch on GPU, as the progress bar's loss display already costs).
+    log_dir: where `log()` writes metrics.csv (and TensorBoard events when it is installed).
+    debug_collectives: check that every rank issues the same collective, and fail naming both when
+        they differ (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL; default PARATRAIN_DEBUG_COLLECTIVES).
     topology: where this process sits; read from the environment when not given.
     """
 
     def __init__(self, strategy: str | Strategy = "ddp", *, accumulate: int = 1,
                  max_grad_norm: float | None = None, seed: int = 0, timeout: float | None = None,
-                 topology: Topology | None = None, progress_bar: bool = True):
+                 topology: Topology | None = None, progress_bar: bool = True, nan_check: bool = True,
+                 log_dir: str | os.PathLike | None = None, debug_collectives: bool | None = None,
+                 precision: str = "32", grad_scaler: GradScaler | None = None):
         if accumulate < 1:
             raise ConfigError(f"accumulate must be at least 1; got {accumulate}")
+        self.precision, self.autocast_dtype = precision, autocast_dtype(precision)
+        if grad_scaler is not None and precision != "fp16":
+            raise ConfigError(f"grad_scaler is for precision='fp16'; got precision={precision!r}")
+        self.scaler = (grad_scaler or GradScaler()) if precision == "fp16" else None
+        self._weights = _Weights()  # token weights of this accumulation window
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm must be a positive norm to clip to; got {max_grad_norm} "
+                              "(leave it None not to clip)")
         self.strategy = resolve(strategy)
         self.accumulate, self.max_grad_norm, self.seed = accumulate, max_grad_norm, seed
-        self.topology = (topology or Topology.from_env()).init(timeout)
-        self.progress_bar = progress_bar
+        self.topology = (topology or Topology.from_env()).init(timeout, debug_collectives=debug_collectives)
+        self.progress_bar, self.nan_check = progress_bar, nan_check
+        self.metrics = MetricsLogger(log_dir, is_main=self.is_main) if log_dir is not None else None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.loader: DataLoader | None = None  # the training loader setup() returned
@@ -103,7 +132,16 @@ class Session:
               loader: DataLoader | None = None):
         """Wrap `model` with the strategy, check `optimizer` holds its parameters, and shard
         `loader`. Returns (model, optimizer, loader), leaving out what was not passed."""
+        if self.model is not None:
+            raise UsageError("setup() was already called on this session: keep using the model, "
+                             "optimizer and loader it returned, or make a new Session for another model")
+        given = optimizer
         self.model, optimizer = self.strategy.setup(model, optimizer, self.topology)
+        if optimizer is not given and hasattr(given.step, "_wrapped_by_lr_sched"):
+            raise ConfigError(f"a learning-rate scheduler was created on the optimizer before setup(), but "
+                              f"{self.strategy.name} replaces that optimizer, so the scheduler would change "
+                              "the learning rate of one that no longer steps: create the scheduler from "
+                              "the optimizer setup() returns")
         self.optimizer = optimizer
         out: list[Any] = [self.model]
         if optimizer is not None:
@@ -159,9 +197,11 @@ class Session:
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def train_step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def train_step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                   weight: float | torch.Tensor | None = None) -> torch.Tensor:
         """Forward `inputs`, `loss_fn(outputs, targets)`, backward, and — on the last of
-        `accumulate` micro-batches — clip and step. Returns the (unscaled) loss, detached."""
+        `accumulate` micro-batches — clip and step. Returns the (unscaled) loss, detached.
+        `weight`: what the loss is a mean over (its number of valid tokens); see `backward`."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise UsageError(f"train_step takes batch = (inputs, targets); got a {type(batch).__name__}"
                              f"{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. For "
@@ -170,7 +210,9 @@ class Session:
         inputs, targets = self.to_device(batch)
         model = self._require_model()
         with self.accumulation():
-            loss = self.strategy.forward_backward(model, inputs, targets, loss_fn, 1 / self.accumulate)
+            scale = self._loss_factor(weight)
+            loss = self.strategy.forward_backward(model, inputs, targets, loss_fn, scale)
+        self._check_finite(loss)
         self.step()
         self.last_loss = loss
         return loss
@@ -178,30 +220,91 @@ class Session:
     @contextlib.contextmanager
     def accumulation(self) -> Iterator[bool]:
         """Wrap forward and backward of one micro-batch: on all but the last of `accumulate`
-        micro-batches, gradients accumulate locally with no communication. Yields whether this
-        micro-batch ends an optimizer step."""
+        micro-batches, gradients accumulate locally with no communication. Under precision
+        "bf16"/"fp16" the block runs under `torch.autocast`. Yields whether this micro-batch
+        ends an optimizer step."""
         last = (self.micro_step + 1) % self.accumulate == 0
-        with contextlib.nullcontext() if last else self.strategy.no_sync(self._require_model()):
+        sync = contextlib.nullcontext() if last else self.strategy.no_sync(self._require_model())
+        with sync, self.autocast():
             yield last
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """`torch.autocast` in the session's precision on its device (nothing for "32").
+        Strategies run backward inside `forward_backward` (a pipeline interleaves the two), so it
+        covers backward too: backward ops keep the dtypes their forward chose, autocast or not."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def backward(self, loss: torch.Tensor, weight: float | torch.Tensor | None = None) -> None:
         """Backward of `loss / accumulate`, so k micro-batches of the mean loss sum to the mean
-        over one k-times-larger batch."""
-        (loss / self.accumulate).backward()
+        over one k-times-larger batch (times the loss scale under fp16).
+
+        Token-weighted losses: when each micro-batch's loss is a mean over a different number of
+        items (valid tokens of a padded batch), pass that number as `weight` on every micro-batch
+        of every rank. The step's gradient is then the gradient of Σ weight·loss / Σ weight over
+        all micro-batches of all data-parallel ranks: the mean over every token, exactly as one
+        process would compute it on the whole batch.
+
+            mask = targets != PAD
+            loss = session.train_step((x, targets), lambda out, y: F.cross_entropy(
+                out.flatten(0, 1), y.flatten(), ignore_index=PAD), weight=mask.sum())
+
+        How: backward takes `weight · loss` (the micro-batch's sum), and `step()` multiplies
+        the gradients this rank holds by replicas / Σ weight (replicas undoing the data-parallel
+        mean), after one all-reduce of the local weight sums. Normalising afterwards, not before
+        backward, because the global count is known only once the last micro-batch is read:
+        scaling first would need every micro-batch in hand, or one all-reduce per micro-batch."""
+        self._check_finite(loss)
+        (loss * self._loss_factor(weight)).backward()
+
+    def _loss_factor(self, weight: float | torch.Tensor | None) -> float:
+        """What backward multiplies this micro-batch's loss by: 1/accumulate, or its weight
+        (normalised in step()), times the fp16 loss scale."""
+        if weight is not None and getattr(self._require_model(), "is_pipeline", False):
+            raise UsageError("weight= is not supported with strategy 'pipeline' yet: its "
+                             "micro-batches are cut inside the schedule; pass losses averaged "
+                             "over equal numbers of tokens, or use a data-parallel strategy")
+        factor = self._weights.add(weight, self.accumulate)
+        return factor * (self.scaler.scale_value if self.scaler is not None else 1.0)
 
     def step(self) -> bool:
-        """Count a micro-batch; at the end of each accumulation, clip, step and zero the
-        gradients. Returns True when the optimizer stepped."""
+        """Count a micro-batch; at the end of each accumulation, normalise token-weighted
+        gradients, unscale (fp16), clip, step and zero the gradients. Returns True when the
+        optimizer stepped (under fp16 every rank skips a step whose gradients overflowed)."""
         self.micro_step += 1
         if self.micro_step % self.accumulate:
             return False
         if self.optimizer is None:
             raise UsageError("step() needs an optimizer: pass it to session.setup(model, optimizer)")
-        if self.max_grad_norm is not None:
-            self.strategy.clip_grad_norm(self._require_model(), self.max_grad_norm)
-        self.optimizer.step()
+        model = self._require_model()
+        factor = self._weights.normaliser(self.strategy.data_parallel(self.topology)[0])
+        found_inf = False
+        if self.scaler is not None or factor != 1.0:
+            grads, group = self.strategy.local_grads(model)
+            if self.scaler is not None:  # unscale before clipping: max_grad_norm is in true units
+                found_inf = self.scaler.unscale_(grads, group, factor=factor)
+            else:
+                for g in grads:
+                    g.mul_(factor)
+        if self.max_grad_norm is not None and not found_inf:
+            self.strategy.clip_grad_norm(model, self.max_grad_norm)
+        if not found_inf:  # every rank agrees: the flag was reduced over the gradients' holders
+            self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return True
+        return not found_inf
+
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        """Stop before a NaN or infinite loss reaches the parameters. Only the rank that sees it
+        raises; the launcher then stops the others (their next collective would otherwise wait)."""
+        if self.nan_check and not bool(torch.isfinite(loss.detach()).all()):
+            raise UsageError(f"the loss is {loss.detach().float().mean().item()} at optimizer step "
+                             f"{self.micro_step // self.accumulate} (micro-batch {self.micro_step}, epoch "
+                             f"{self.epoch}) on rank {self.rank}; the optimizer did not step. Lower the "
+                             "learning rate, clip gradients (Session(max_grad_norm=...)), check this batch's "
+                             "inputs and targets, or pass Session(nan_check=False) to go on regardless")
 
     def to_device(self, batch: Any) -> Any:
         """`batch` with every tensor moved to this rank's device."""
@@ -237,6 +340,18 @@ class Session:
         finally:  # also when the loop breaks early
             bar.close()
 
+    # -- metrics -----------------------------------------------------------------------------------
+
+    def log(self, step: int | None = None, **metrics: Any) -> dict[str, float]:
+        """Average scalar `metrics` over ranks and append them as one row of `log_dir/metrics.csv`
+        on rank 0 (paratrain/metrics.py). `step` defaults to the optimizer steps taken. A
+        collective: every rank calls it with the same names. Returns the means."""
+        if self.metrics is None:
+            raise UsageError("log() writes to Session(log_dir=...), and this session has none; pass "
+                             "log_dir, or average without writing with paratrain.comm.mean_metrics")
+        step = self.micro_step // self.accumulate if step is None else step
+        return self.metrics.log(step, **metrics)
+
     # -- checkpoints -------------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -254,6 +369,8 @@ class Session:
         loaded = checkpoint.load(path, self._require_model(), self.optimizer)
         state = loaded["state"]
         self.epoch, self.micro_step = state.get("epoch", 0), state.get("micro_step", 0)
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         sampler = getattr(self.loader, "sampler", None)
         if state.get("sampler") and hasattr(sampler, "load_state_dict"):
             sampler.load_state_dict(state["sampler"])
@@ -283,12 +400,15 @@ class Session:
     def _position(self) -> dict:
         sampler = getattr(self.loader, "sampler", None)
         return {"epoch": self.epoch, "micro_step": self.micro_step, "strategy": self.strategy.name,
-                "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None}
+                "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     # -- end ---------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Tear down the process group."""
+        """Close the metrics files and tear down the process group."""
+        if self.metrics is not None:
+            self.metrics.close()
         destroy()
 
     def __enter__(self) -> "Session":
@@ -332,3 +452,36 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
 def _batch_len(batch: Any) -> int:
     tensors = [t for t in tree_flatten(batch)[0] if torch.is_tensor(t) and t.dim() > 0]
     return tensors[0].shape[0] if tensors else 1
+
+
+class _Weights:
+    """The token weights (`backward(loss, weight=...)`) of one accumulation window."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.total, self.weighted, self.plain = 0.0, 0, 0
+
+    def add(self, weight: float | torch.Tensor | None, accumulate: int) -> float:
+        if weight is None:
+            self.plain += 1
+            return 1 / accumulate
+        self.total += float(weight)
+        self.weighted += 1
+        return float(weight)
+
+    def normaliser(self, replicas: int) -> float:
+        """replicas / (Σ weight over every rank), 1.0 without weights; resets the window. A
+        collective when weights were given (every rank gives them)."""
+        weighted, plain, total = self.weighted, self.plain, self.total
+        self.reset()
+        if not weighted:
+            return 1.0
+        if plain:
+            raise UsageError(f"{weighted} micro-batch(es) of this optimizer step passed weight= and "
+                             f"{plain} did not; pass it on every micro-batch (or on none)")
+        total_t = torch.tensor(total, dtype=torch.float64, device=group_device())
+        dist.all_reduce(total_t)
+        total = total_t.item()
+        return replicas / total if total > 0 else 1.0  # no tokens anywhere: the gradients are 0

@@ -10,6 +10,8 @@ which one it holds:
 - `forward_backward(model, inputs, targets, loss_fn, scale)`: one micro-batch's forward, loss
   and backward of `loss * scale`; returns the loss (a pipeline runs its schedule here);
 - `clip_grad_norm(model, max_norm)`: clip by the global norm (sharded strategies reduce it);
+- `local_grads(model)`: the gradients this rank holds after backward and the group holding the
+  rest (the fp16 grad scaler's inf check and the token normalisation work on these);
 - `data_parallel(topology)`: (replicas, this replica's index) — how the data is sharded.
 
 String shortcuts name the default instance of each (`"ddp"` is `DDP()`).
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.errors import ConfigError
@@ -64,6 +67,13 @@ class Strategy:
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def local_grads(self, model: nn.Module) -> tuple[list[torch.Tensor], Any]:
+        """After backward (and its gradient communication): the gradients this rank holds, and
+        the process group whose ranks hold the other parts, over which a flag such as "found an
+        inf" must be reduced. None: every rank holds them all (replicated strategies, whose
+        all-reduce already gave every rank the same gradients), nothing to reduce."""
+        return [p.grad for p in model.parameters() if p.grad is not None], None
 
     def data_parallel(self, topology: Topology) -> tuple[int, int]:
         return topology.world_size, topology.rank
@@ -137,6 +147,14 @@ class ZeRO(Strategy):
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return model.clip_grad_norm_(max_norm)
+
+    def local_grads(self, model: nn.Module) -> tuple[list[torch.Tensor], Any]:
+        """This rank's slices of the averaged gradients; the other slices are on the other
+        data-parallel ranks."""
+        if hasattr(model, "attach_shard_grads"):  # stages 1 and 2: point each shard at its slice
+            model.attach_shard_grads()
+        grads = [s.grad for s in model.shards if s.grad is not None]
+        return grads, model.process_group or dist.group.WORLD
 
 
 def strategies() -> dict[str, Callable[[], Strategy]]:

@@ -27,7 +27,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, UsageError
 
 DEFAULT_TIMEOUT_S = 600.0  # every collective gives up after this; PARATRAIN_TIMEOUT overrides it
 
@@ -81,10 +81,18 @@ class Topology:
         backend, device = pick_backend(backend or env.get("PARATRAIN_BACKEND"), fields["local_rank"])
         return cls(backend=backend, device=device, **fields)
 
-    def init(self, timeout: float | None = None) -> "Topology":
-        """Create the default process group (idempotent). `timeout` in seconds bounds every collective."""
+    def init(self, timeout: float | None = None, *, debug_collectives: bool | None = None) -> "Topology":
+        """Create the default process group (idempotent). `timeout` in seconds bounds every collective;
+        `debug_collectives` (default PARATRAIN_DEBUG_COLLECTIVES) checks that ranks agree on each one."""
+        debug = debug_collectives_requested(debug_collectives)
         if dist.is_initialized():
+            if debug and dist.get_debug_level() != dist.DebugLevel.DETAIL:
+                raise UsageError("debug_collectives must be on before the process group is created, and "
+                                 "this process already has one: set PARATRAIN_DEBUG_COLLECTIVES=1 (or "
+                                 "`paratrain run --debug-collectives`) so that it applies from the start")
             return self
+        if debug:
+            enable_collective_checks()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         port = self.master_port or _free_port()
@@ -103,6 +111,27 @@ class Topology:
         return (f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
                 f"node {self.node_rank}/{self.num_nodes}) backend={self.backend} device={self.device} "
                 f"launcher={self.launcher} master={self.master_addr}:{self.master_port}")
+
+
+def debug_collectives_requested(flag: bool | None) -> bool:
+    """The argument, else PARATRAIN_DEBUG_COLLECTIVES (1/true/yes/on)."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get("PARATRAIN_DEBUG_COLLECTIVES", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def enable_collective_checks() -> None:
+    """Make every process group created from now on check, before each collective, that all its
+    ranks issue the same one (op, tensor shapes, dtypes, sequence number), and fail at once naming
+    both fingerprints ("Detected mismatch between collectives on ranks. Rank 0 is running
+    collective: CollectiveFingerPrint(... OpType=ALLREDUCE ...), but Rank 1 ... BROADCAST").
+
+    This is torch's TORCH_DISTRIBUTED_DEBUG=DETAIL: `_new_process_group_helper` in
+    torch/distributed/distributed_c10d.py wraps gloo and nccl groups in a ProcessGroupWrapper whose
+    checks run over a side gloo group. It costs an extra gather per collective: for debugging. The
+    level is set through the API, because torch reads the variable only when it is imported."""
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # for child processes and torch's own checks
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
 
 
 def destroy() -> None:

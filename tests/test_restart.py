@@ -49,9 +49,10 @@ def _run(tmp_path, name, kill_at):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     out, root = tmp_path / f"{name}.pt", tmp_path / f"{name}-checkpoints"
-    cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "--max-restarts", "1", "--timeout", "30",
+    # a generous collective timeout: a loaded machine may take long to start the restarted workers
+    cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "--max-restarts", "1", "--timeout", "120",
            str(script), str(root), str(out), "9", str(kill_at)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out), done.stdout + done.stderr
 

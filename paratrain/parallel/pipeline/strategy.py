@@ -86,6 +86,12 @@ class Pipeline(Strategy):
         grads = [p.grad for p in model.module.parameters() if p.grad is not None]
         return clip_grad_norm_over(grads, max_norm, model.pipe_group)
 
+    def local_grads(self, model: PipelineStage) -> tuple[list[torch.Tensor], Any]:
+        """This stage's gradients; the other stages' are on the other ranks of the pipeline
+        (replicas of a stage hold equal ones after their all-reduce, so every pipeline reaches
+        the same verdict)."""
+        return [p.grad for p in model.module.parameters() if p.grad is not None], model.pipe_group
+
     def data_parallel(self, topology: Topology) -> tuple[int, int]:
         if topology.world_size % self.stages:
             raise ConfigError(f"Pipeline(stages={self.stages}) does not divide the world size "

@@ -1,0 +1,89 @@
+"""Ranks that disagree on the sequence of collectives fail at once, naming the operations, when
+`Session(debug_collectives=True)` (or PARATRAIN_DEBUG_COLLECTIVES=1, `paratrain run
+--debug-collectives`) turns on torch's collective fingerprint checks."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import paratrain as pt
+from paratrain.cli import _export_env, build_parser
+from paratrain.comm import broadcast_object
+from paratrain.testing import RankFailure, run_on_ranks
+from paratrain.topology import _free_port, debug_collectives_requested, destroy
+from models import make_batches, make_model
+
+
+def _debug_session(topo, by_env):
+    """A fresh default group created by a debugging Session (run_on_ranks made one without), the
+    checks asked for by argument or, as `paratrain run --debug-collectives` does, by environment."""
+    port = broadcast_object(_free_port() if topo.rank == 0 else None)
+    destroy()
+    os.environ["MASTER_PORT"] = str(port)
+    if by_env:
+        os.environ["PARATRAIN_DEBUG_COLLECTIVES"] = "1"
+    fresh = pt.Topology.from_env(rank=topo.rank, world_size=topo.world_size)
+    return pt.Session("ddp", topology=fresh, progress_bar=False, debug_collectives=None if by_env else True)
+
+
+def _disagree(topo, case, debug=True):
+    session = _debug_session(topo, case == "other op") if debug else pt.Session("ddp", topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    xs, ys = make_batches(3, 4, seed=1)
+    for step in range(3):
+        if case == "skipped step" and topo.rank == 1 and step == 1:
+            continue  # rank 1 drops a batch: its next collectives are one step behind
+        session.train_step((xs[step], ys[step]), F.cross_entropy)
+    if case == "other shape":
+        dist.all_reduce(torch.ones(4 if topo.rank == 0 else 5))
+    elif case == "other op":
+        if topo.rank == 0:
+            dist.all_reduce(torch.ones(4))
+        else:
+            dist.broadcast(torch.ones(4), src=0)
+    dist.barrier()
+    return pt.full_state_dict(model)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("other shape", r"OpType=ALLREDUCE, TensorShape=\[(4|5)\](.|\n)*Tensor shapes: (4vs 5|5vs 4)"),
+    ("other op", r"Op type: (ALLREDUCEvs BROADCAST|BROADCASTvs ALLREDUCE)"),
+    # rank 0 is in its third step's all-reduce, rank 1 already at the barrier; torch names the
+    # other rank's side by the internal gather/reduce its check was running (sequence number 0)
+    ("skipped step", r"Rank \d is running collective: CollectiveFingerPrint\(SequenceNumber=\d+,? ?"
+                     r"OpType=(ALLREDUCE|BARRIER)(.|\n)*Sequence number: \d+vs 0"),
+])
+def test_ranks_issuing_different_collectives_fail_naming_them(case, message):
+    began = time.monotonic()
+    with pytest.raises(RankFailure, match=r"Detected mismatch between collectives on ranks(.|\n)*" + message):
+        run_on_ranks(_disagree, 2, case, timeout=60)
+    assert time.monotonic() - began < 30  # not the 30 s collective timeout of run_on_ranks
+
+
+def test_checks_change_nothing_when_ranks_agree():
+    checked = run_on_ranks(_disagree, 2, "agree", timeout=60)
+    plain = run_on_ranks(_disagree, 2, "agree", False, timeout=60)
+    for a, b in zip(checked, plain):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _too_late(topo):
+    pt.Session("ddp", topology=topo, debug_collectives=True)
+
+
+def test_asking_for_checks_after_the_group_exists_is_a_clear_error():
+    with pytest.raises(RankFailure, match="UsageError: debug_collectives must be on before the process group"):
+        run_on_ranks(_too_late, 1, timeout=60)
+
+
+def test_paratrain_run_debug_collectives_flag_reaches_the_workers(monkeypatch):
+    monkeypatch.delenv("PARATRAIN_DEBUG_COLLECTIVES", raising=False)
+    args = build_parser().parse_args(["run", "-n", "2", "--debug-collectives", "train.py"])
+    _export_env(args)  # the launcher's environment, which the elastic agent hands every worker
+    assert os.environ["PARATRAIN_DEBUG_COLLECTIVES"] == "1"
+    assert debug_collectives_requested(None) and not debug_collectives_requested(False)

@@ -1,0 +1,193 @@
+"""Misuse a user of a training library would hit, each a clear paratrain error that says what went
+wrong and what to do. Other files test more cases (listed in the report of this issue); these are
+the session's own, one row per case."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+import paratrain as pt
+from paratrain.testing import RankFailure, run_on_ranks
+from models import make_batches, make_model
+from pipeline_models import chain
+
+XS, YS = make_batches(2, 4, seed=1)
+BATCH = (XS[0], YS[0])
+
+
+def _dataset(n=8):
+    return TensorDataset(torch.randn(n, 12), torch.randint(0, 5, (n,)))
+
+
+@contextlib.contextmanager
+def _session(strategy="single", **kwargs):
+    session = pt.Session(strategy, progress_bar=False, **kwargs)
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+def _setup(session, with_optimizer=True):
+    model = make_model("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if with_optimizer else None
+    return session.setup(model, optimizer)
+
+
+# -- one process -----------------------------------------------------------------------------------
+
+def _setup_twice(session, tmp_path):
+    model, optimizer = _setup(session)
+    session.setup(model, optimizer)
+
+
+def _loader_without_batch_size(session, tmp_path):
+    dataset = _dataset()
+    loader = DataLoader(dataset, batch_sampler=BatchSampler(SequentialSampler(dataset), 4, False))
+    model = make_model("mlp")
+    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+
+
+def _scheduler_before_setup(session, tmp_path):
+    model = make_model("mlp")
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)  # steps an optimizer ZeRO replaces
+    session.setup(model, optimizer)
+
+
+def _step_without_optimizer(session, tmp_path):
+    _setup(session, with_optimizer=False)
+    session.train_step(BATCH, F.cross_entropy)
+
+
+def _load_before_setup(session, tmp_path):
+    session.load(tmp_path / "step-00000001")
+
+
+def _load_missing_checkpoint(session, tmp_path):
+    _setup(session)
+    session.load(tmp_path / "no-such-checkpoint")
+
+
+def _log_without_log_dir(session, tmp_path):
+    session.log(loss=1.0)
+
+
+def _zero_without_optimizer(session, tmp_path):
+    _setup(session, with_optimizer=False)
+
+
+SESSION_CASES = [  # (case, Session arguments, what the user does, error, message)
+    ("setup twice", {}, _setup_twice, pt.UsageError, "setup\\(\\) was already called"),
+    ("loader without batch_size", {}, _loader_without_batch_size, pt.ConfigError,
+     "the loader has no batch_size .*batch_size=GLOBAL_BATCH"),
+    ("scheduler before setup", dict(strategy="zero1"), _scheduler_before_setup, pt.ConfigError,
+     "scheduler was created on the optimizer before setup\\(\\), but zero1 replaces"),
+    ("step without optimizer", {}, _step_without_optimizer, pt.UsageError,
+     "step\\(\\) needs an optimizer: pass it to session.setup"),
+    ("load before setup", {}, _load_before_setup, pt.UsageError, "call session.setup"),
+    ("missing checkpoint", {}, _load_missing_checkpoint, pt.ConfigError,
+     "no checkpoint at .*no-such-checkpoint: nothing exists there"),
+    ("log without log_dir", {}, _log_without_log_dir, pt.UsageError, "Session\\(log_dir=...\\)"),
+    ("zero3 without optimizer", dict(strategy="zero3"), _zero_without_optimizer, pt.ConfigError,
+     "zero3 shards the optimizer: pass it"),
+]
+
+
+@pytest.mark.parametrize("case,kwargs,action,error,message", SESSION_CASES, ids=[c[0] for c in SESSION_CASES])
+def test_session_misuse(case, kwargs, action, error, message, tmp_path):
+    with _session(**kwargs) as session:
+        with pytest.raises(error, match=message):
+            action(session, tmp_path)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_grad_norm=0.0), "max_grad_norm must be a positive norm to clip to; got 0.0"),
+    (dict(max_grad_norm=-1.0), "max_grad_norm must be a positive norm"),
+    (dict(timeout=0), "timeout must be a positive number of seconds; got 0"),
+    (dict(accumulate=0), "accumulate must be at least 1"),
+])
+def test_bad_session_settings(kwargs, message):
+    with pytest.raises(pt.ConfigError, match=message):
+        pt.Session("single", **kwargs)
+
+
+def test_a_timeout_from_the_environment_must_be_a_number(monkeypatch):
+    monkeypatch.setenv("PARATRAIN_TIMEOUT", "ten minutes")
+    with pytest.raises(pt.ConfigError, match="PARATRAIN_TIMEOUT='ten minutes' is not a number"):
+        pt.Session("single")
+
+
+def test_a_scheduler_on_an_optimizer_setup_keeps_is_fine():
+    with _session() as session:
+        model = make_model("mlp")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        _, same = session.setup(model, optimizer)
+        session.train_step(BATCH, F.cross_entropy)
+        scheduler.step()
+        assert same is optimizer and same.param_groups[0]["lr"] == 0.05
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_loss_stops_before_the_optimizer_steps(bad):
+    with _session() as session:
+        model, _ = _setup(session)
+        session.train_step(BATCH, F.cross_entropy)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(pt.UsageError, match=f"the loss is {bad} at optimizer step 1 \\(micro-batch 1, "
+                                                "epoch 0\\) on rank 0; the optimizer did not step"):
+            session.train_step(BATCH, lambda out, y: F.cross_entropy(out, y) * bad)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_non_finite_loss_in_a_custom_step_stops_before_backward():
+    with _session() as session:
+        model, _ = _setup(session)
+        with pytest.raises(pt.UsageError, match="the loss is nan at optimizer step 0"):
+            with session.accumulation():
+                session.backward(F.cross_entropy(model(XS[0]), YS[0]) * float("nan"))
+        assert all(p.grad is None for p in model.parameters())  # backward never ran
+
+
+def test_nan_check_off_lets_the_loss_through():
+    with _session(nan_check=False) as session:
+        model, _ = _setup(session)
+        loss = session.train_step(BATCH, lambda out, y: F.cross_entropy(out, y) * float("nan"))
+        assert loss.isnan() and all(p.isnan().all() for p in model.parameters())
+
+
+# -- on ranks ----------------------------------------------------------------------------------------
+
+def _on_ranks(topo, case, path):
+    if case == "pipeline checkpoint":
+        session = pt.Session(pt.Pipeline(stages=2, microbatches=2), topology=topo, progress_bar=False)
+        model = chain()
+        session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        session.save(path)
+        return
+    session = pt.Session("ddp", topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if case == "batch smaller than the world":
+        session.setup(model, optimizer, DataLoader(_dataset(), batch_size=1))
+    elif case == "nan on one rank":
+        session.setup(model, optimizer)
+        scale = float("nan") if topo.rank == 1 else 1.0
+        for x, y in zip(XS, YS):  # rank 0 goes on to the next step's all-reduce and is stopped
+            session.train_step((x[:2], y[:2]), lambda out, t: F.cross_entropy(out, t) * scale)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("batch smaller than the world", "ConfigError: the global batch size 1 must be a multiple of the 2 "
+                                     "data-parallel replicas; use a batch size of 2"),
+    ("nan on one rank", "rank 1 raised:(.|\\n)*UsageError: the loss is nan at optimizer step 0 "
+                        "\\(micro-batch 0, epoch 0\\) on rank 1"),
+    ("pipeline checkpoint", "ConfigError: checkpoints of pipeline stages are not supported yet"),
+])
+def test_misuse_on_ranks(case, message, tmp_path):
+    with pytest.raises(RankFailure, match=message):
+        run_on_ranks(_on_ranks, 2, case, str(tmp_path / "c"), timeout=60)
