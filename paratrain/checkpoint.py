@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,32 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         raise UsageError(f"refusing to load {module}.{name} from checkpoint metadata: a checkpoint "
                          "holds only tensors and DCP's metadata")
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's random states as uint8 tensors (torch, CUDA, Python's random, NumPy's)."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    plain = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
+    state = {"torch": torch.get_rng_state(),
+             "plain": torch.tensor(list(json.dumps(plain).encode()), dtype=torch.uint8)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    plain = json.loads(bytes(state["plain"].tolist()).decode())
+    version, internal, gauss = plain["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def _read(fn, path: Path):

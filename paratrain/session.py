@@ -24,9 +24,7 @@ the ranks that hold parts of the gradients. Losses averaged over a varying numbe
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -34,18 +32,18 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from paratrain import checkpoint
-from paratrain.contrastive import Gathered, gather_embeddings
-from paratrain.data import DistributedSampler
-from paratrain.errors import ConfigError, UsageError
 from paratrain.comm import group_device
+from paratrain.contrastive import Gathered, gather_embeddings
+from paratrain.data import shard_loader
+from paratrain.errors import ConfigError, UsageError
 from paratrain.metrics import MetricsLogger
-from paratrain.precision import GradScaler, autocast_dtype
 from paratrain.parallel.shard import full_state_dict
+from paratrain.precision import GradScaler, autocast_dtype
 from paratrain.strategy import Strategy, resolve
 from paratrain.topology import NodeGroups, Topology, destroy, node_groups
 
@@ -154,27 +152,8 @@ class Session:
     def shard_loader(self, loader: DataLoader) -> DataLoader:
         """The same loader, reading this replica's share: batch_size/replicas per step."""
         replicas, index = self.strategy.data_parallel(self.topology)
-        batch = loader.batch_size
-        if batch is None:
-            raise ConfigError("the loader has no batch_size (it uses a batch_sampler): build it "
-                              "with DataLoader(dataset, batch_size=GLOBAL_BATCH, shuffle=...)")
-        if batch < replicas or batch % replicas:
-            raise ConfigError(f"the global batch size {batch} must be a multiple of the "
-                              f"{replicas} data-parallel replicas; use a batch size of "
-                              f"{max(replicas, batch // replicas * replicas)}")
-        sampler = DistributedSampler(loader.dataset, num_replicas=replicas, rank=index,
-                                     shuffle=isinstance(loader.sampler, RandomSampler),
-                                     seed=self.seed, drop_last=loader.drop_last)
-        # its own generator: starting an iterator draws the workers' base seed from it, and from
-        # torch's global RNG without one, which would shift dropout masks after a resume
-        generator = torch.Generator().manual_seed(self.seed + self.rank)
-        return DataLoader(loader.dataset, batch_size=batch // replicas, sampler=sampler,
-                          generator=generator,
-                          num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                          pin_memory=loader.pin_memory or self.device.type == "cuda",
-                          drop_last=loader.drop_last, timeout=loader.timeout,
-                          worker_init_fn=loader.worker_init_fn,
-                          persistent_workers=loader.persistent_workers)
+        return shard_loader(loader, replicas=replicas, index=index, seed=self.seed, rank=self.rank,
+                            pin_memory=self.device.type == "cuda")
 
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
         """The user's own model inside the strategy's wrapper (for evaluation, export). Under
@@ -357,7 +336,7 @@ class Session:
     def save(self, path: str | os.PathLike) -> Path:
         """Save model, optimizer, epoch and micro-step, the sampler's position and every rank's RNG
         states to `path` (checkpoint.py: sharded, atomic). A collective: every rank calls it."""
-        rng = _rng_state()
+        rng = checkpoint.rng_state()
         if self.loader is not None:
             rng["loader"] = self.loader.generator.get_state()
         return checkpoint.save(path, self._require_model(), self.optimizer, state=self._position(),
@@ -375,7 +354,7 @@ class Session:
         if state.get("sampler") and hasattr(sampler, "load_state_dict"):
             sampler.load_state_dict(state["sampler"])
         if loaded["rng"]:
-            _set_rng_state(loaded["rng"])
+            checkpoint.set_rng_state(loaded["rng"])
             if "loader" in loaded["rng"] and self.loader is not None:
                 self.loader.generator.set_state(loaded["rng"]["loader"])
 
@@ -421,32 +400,6 @@ class Session:
         if self.model is None:
             raise UsageError("call session.setup(model, optimizer, loader) before training")
         return self.model
-
-
-def _rng_state() -> dict[str, torch.Tensor]:
-    """This process's random states as uint8 tensors (torch, CUDA, Python's random, NumPy's)."""
-    import numpy as np
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    plain = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
-    state = {"torch": torch.get_rng_state(),
-             "plain": torch.tensor(list(json.dumps(plain).encode()), dtype=torch.uint8)}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    plain = json.loads(bytes(state["plain"].tolist()).decode())
-    version, internal, gauss = plain["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = plain["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def _batch_len(batch: Any) -> int:

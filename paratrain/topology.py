@@ -97,15 +97,24 @@ class Topology:
             torch.cuda.set_device(self.device)
         port = self.master_port or _free_port()
         timeout = resolve_timeout(timeout)
+        delta = datetime.timedelta(seconds=timeout)
         if self.launcher == "torchrun":
-            init_method = "env://"  # lets the elastic agent hand us its store
+            dist.init_process_group(backend=self.backend, store=self._elastic_store(port, delta),
+                                    rank=self.rank, world_size=self.world_size, timeout=delta)
         else:
-            init_method = f"tcp://{self.master_addr}:{port}"
-        dist.init_process_group(
-            backend=self.backend, init_method=init_method, rank=self.rank,
-            world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout),
-        )
+            dist.init_process_group(backend=self.backend, init_method=f"tcp://{self.master_addr}:{port}",
+                                    rank=self.rank, world_size=self.world_size, timeout=delta)
         return dataclasses.replace(self, master_port=port, timeout_s=timeout)
+
+    def _elastic_store(self, port: int, timeout: datetime.timedelta) -> dist.Store:
+        """torchrun's store (the elastic agent's, when it hosts one), under a prefix per restart.
+        A restarted group must not read what its killed predecessor published there: without the
+        prefix gloo was seen connecting to a dead rank's port after `--max-restarts` restarted it."""
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = dist.TCPStore(self.master_addr, port, self.world_size, timeout=timeout,
+                              is_master=not agent_hosts and self.rank == 0)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"paratrain/attempt_{attempt}/", store)
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
