@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import all_gather_single, reduce_to_owners
+from paratrain.comm import all_gather_single, gather_from_owners, reduce_to_owners
 from paratrain.parallel.zero import accumulate
 
 
@@ -60,7 +60,7 @@ class FlatShard:
                                 requires_grad=True)
         _free(self.full)
         self.gathered = False
-        self._gather_work: dist.Work | None = None
+        self._gather_work: list[dist.Work] | None = None
         self._reduce: tuple[dist.Work, torch.Tensor] | None = None
 
     @property
@@ -71,21 +71,25 @@ class FlatShard:
         if self.gathered or self._gather_work is not None:
             return
         _alloc(self.full)
-        # always a copy (dtype, device or clone): the input must not alias the output
-        local = self.shard.detach().to(self.full.device, self.full.dtype, copy=True)
-        self._gather_work = all_gather_single(self.full.data, local, group=self.group, async_op=True)
+        self._gather_work = gather_from_owners(self.full.data, self.shard.detach(), self.group,
+                                               rank=self.rank, world=self.world)
 
     def finish_unshard(self) -> None:
         if self._gather_work is not None:
-            self._gather_work.wait()
+            for work in self._gather_work:
+                work.wait()
             self._gather_work = None
             self.gathered = True
 
     def point_modules_at_full(self) -> None:
         """Set every owning module's attribute to a fresh view of `full` (made in forward, so
         autograd records it)."""
-        for slot in self.slots:
-            view = self.full[slot.offset:slot.offset + slot.shape.numel()].view(slot.shape)
+        # One split, not a slice per parameter: split's backward is one cat of the parameters'
+        # gradients into a fresh buffer, while each slice's backward (slice_backward) zero-fills a
+        # full-size gradient for its parameter and autograd sums them all.
+        sizes = [slot.shape.numel() for slot in self.slots] + [self.padded - self.numel]
+        for slot, piece in zip(self.slots, torch.split(self.full, sizes)):
+            view = piece.view(slot.shape)
             for module, attr in slot.owners:
                 setattr(module, attr, view)
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import all_gather_single, prefers_reduce_scatter, reduce_to_owners
+from paratrain.comm import gather_from_owners, prefers_reduce_scatter, reduce_to_owners
 from paratrain.errors import ConfigError
 from paratrain.optim import clip_grad_norm_over, rebuild_optimizer
 from paratrain.parallel.buckets import Bucket, GradBuckets
@@ -128,9 +128,11 @@ class ZeroDataParallel(DistributedDataParallel):
                 shard.grad = self._buckets.shard_grads[i]
 
     def gather_params(self) -> None:
-        """Every rank's updated slices into every rank's flat parameters (one all-gather each)."""
-        works = [all_gather_single(buf, shard.detach().clone(), group=self.process_group, async_op=True)
-                 for buf, shard in zip(self.param_buffers, self.shards)]
+        """Every rank's updated slices into every rank's flat parameters (comm.gather_from_owners;
+        each shard is already its slice of the buffer)."""
+        works = [work for buf, shard in zip(self.param_buffers, self.shards)
+                 for work in gather_from_owners(buf, shard.detach(), self.process_group,
+                                                rank=self.rank, world=self.world)]
         for work in works:
             work.wait()
 
