@@ -1,21 +1,27 @@
 """What the benchmarks share: the two models and their data, one training step, interleaved
-timing, peak-memory measurement on CPU, and the results table.
+timing, peak-memory measurement on CPU, bytes held counted from tensors, and the results table.
 
-The models, data, training step and memory readers run inside the ranks (started by
-`paratrain.testing.run_on_ranks`); `slowest_rank`, `print_table` and `write_json` in the launching
-process. Linux only: peak memory reads /proc and calls glibc's mallopt.
+The models, data, training step, `time_interleaved` and the memory readers run inside the ranks
+(started by `paratrain.testing.run_on_ranks`); `slowest_rank`, `summarize_times`, `print_table`
+and `write_json` in the launching process. Linux only: peak memory reads /proc and calls glibc's
+mallopt.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import re
+import statistics
+import time
+import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -106,6 +112,91 @@ def interleave(run_block: Callable[[str, int], list[float]], impls: list[str], r
 def slowest_rank(per_rank: list[list[float]]) -> list[float]:
     """A step ends when its slowest rank ends: the per-step maximum over ranks."""
     return [max(step) for step in zip(*per_rank)]
+
+
+def time_interleaved(step_of: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
+                     batches: list[tuple[torch.Tensor, torch.Tensor]], *, warmup: int, rounds: int,
+                     steps: int) -> dict:
+    """In a rank: `warmup` untimed steps of each implementation, then `rounds` interleaved rounds
+    of `steps` timed steps each (see `interleave`). `step_of[impl](x, y)` runs one training step
+    and returns its loss; every implementation walks the same batch sequence, and the ranks meet
+    at a barrier before each block. Returns each step's wall time (perf_counter) and this
+    thread's CPU time (thread_time: leaves out waiting for collectives and for other processes)."""
+    done = {impl: 0 for impl in step_of}
+    cpu: dict[str, list[float]] = {impl: [] for impl in step_of}
+    losses: dict[str, torch.Tensor] = {}
+
+    def run_block(impl: str, n: int) -> list[float]:
+        dist.barrier()
+        times = []
+        for _ in range(n):
+            x, y = batches[done[impl] % len(batches)]
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            losses[impl] = step_of[impl](x, y)
+            times.append(time.perf_counter() - start)
+            cpu[impl].append(time.thread_time() - start_cpu)
+            done[impl] += 1
+        return times
+
+    interleave(run_block, list(step_of), 1, warmup)
+    for warm in cpu.values():
+        warm.clear()  # keep the timed steps only
+    times = interleave(run_block, list(step_of), rounds, steps)
+    if len(set(done.values())) != 1 or not all(map(torch.isfinite, losses.values())):
+        raise RuntimeError(f"runs diverged: steps {done}, last losses {losses}")
+    return dict(times=times, cpu=cpu)
+
+
+def summarize_times(per_rank: list[dict], impls: list[str], steps: int) -> dict:
+    """In the launching process, from each rank's `time_interleaved` result: per implementation,
+    `<impl>_ms` the median step (each step as long as its slowest rank), `<impl>_cpu_ms` the
+    median thread CPU time per step (the larger rank), `<impl>_round_ms` each round's median."""
+    out = {}
+    for impl in impls:
+        wall = slowest_rank([r["times"][impl] for r in per_rank])
+        out[f"{impl}_ms"] = 1e3 * statistics.median(wall)
+        out[f"{impl}_cpu_ms"] = 1e3 * max(statistics.median(r["cpu"][impl]) for r in per_rank)
+        out[f"{impl}_round_ms"] = [1e3 * statistics.median(wall[i:i + steps])
+                                   for i in range(0, len(wall), steps)]
+    return out
+
+
+# -- bytes held, counted from tensors -----------------------------------------------------------
+
+def distinct_storage_bytes(groups: dict[str, Iterable[torch.Tensor | None]]) -> dict[str, int]:
+    """Bytes of the storages behind each group's tensors. A storage shared by several tensors
+    (views, tied weights, a gradient that views a bucket) counts once, in the first group that
+    holds it; a freed storage (resized to 0 bytes) counts nothing; None is skipped."""
+    seen: set[int] = set()
+    out = {}
+    for group, tensors in groups.items():
+        out[group] = 0
+        for t in tensors:
+            storage = None if t is None else t.untyped_storage()
+            if storage is None or storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            out[group] += storage.nbytes()
+    return out
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor the garbage collector sees in this process
+    (a cross-check of an explicit count; tensors held only from C++, by DDP's reducer or saved
+    by autograd, are not seen)."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated objects warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and _has_storage(o)]
+    return distinct_storage_bytes({"all": tensors})["all"]
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    try:  # wrapper subclasses (DTensor) have none; their local tensors are seen on their own
+        t.untyped_storage().data_ptr()  # and meta/fake tensors none with data
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 # -- peak memory on CPU -------------------------------------------------------------------------
