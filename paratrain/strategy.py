@@ -110,9 +110,13 @@ class DDP(Strategy):
     def wrap(self, model: nn.Module, topology: Topology) -> nn.Module:
         model = model.to(topology.device)
         device_ids = [topology.device.index] if topology.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb,
-                                       find_unused_parameters=self.find_unused_parameters,
-                                       broadcast_buffers=self.broadcast_buffers)
+        return self._wrapper(model, topology, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb,
+                             find_unused_parameters=self.find_unused_parameters,
+                             broadcast_buffers=self.broadcast_buffers)
+
+    def _wrapper(self, model: nn.Module, topology: Topology, **ddp_kwargs) -> nn.Module:
+        """The wrapper class; hierarchical data parallel swaps in its own."""
+        return DistributedDataParallel(model, **ddp_kwargs)
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         return model.no_sync()

@@ -35,7 +35,7 @@ have finished), which is what a process group needs to match its messages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ from paratrain.comm import ByteCounter, all_gather_single, reduce_scatter_single
 from paratrain.errors import ConfigError
 from paratrain.parallel.buckets import Bucket, GradBuckets
 from paratrain.parallel.ddp import DistributedDataParallel
-from paratrain.strategy import Strategy
+from paratrain.strategy import DDP
 from paratrain.topology import NodeGroups, Topology, node_groups
 
 INTRA_REDUCE_SCATTER, INTER_ALL_REDUCE, INTRA_ALL_GATHER, DONE = range(4)  # a bucket's phases
@@ -162,20 +162,11 @@ class HierarchicalDataParallel(DistributedDataParallel):
 
 
 @dataclass(frozen=True)
-class Hierarchical(Strategy):
-    """Data parallel, one process per device, gradients reduced inside nodes then across them."""
+class Hierarchical(DDP):
+    """Data parallel, one process per device, gradients reduced inside nodes then across them.
+    The settings are DDP's: bucket_cap_mb, find_unused_parameters, broadcast_buffers."""
 
     name = "hierarchical"
-    bucket_cap_mb: float = 25.0  # size cap of each gradient bucket (the first is 1 MiB)
-    find_unused_parameters: bool = False  # allow parameters that get no gradient in a step
-    broadcast_buffers: bool = True  # broadcast rank 0's buffers (BatchNorm statistics) each forward
 
-    def wrap(self, model: nn.Module, topology: Topology) -> nn.Module:
-        model = model.to(topology.device)
-        device_ids = [topology.device.index] if topology.device.type == "cuda" else None
-        return HierarchicalDataParallel(
-            model, topology=topology, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb,
-            find_unused_parameters=self.find_unused_parameters, broadcast_buffers=self.broadcast_buffers)
-
-    def no_sync(self, model: nn.Module) -> ContextManager:
-        return model.no_sync()
+    def _wrapper(self, model: nn.Module, topology: Topology, **ddp_kwargs) -> nn.Module:
+        return HierarchicalDataParallel(model, topology=topology, **ddp_kwargs)
