@@ -7,18 +7,29 @@
         loss = session.train_step(batch, loss_fn)
 """
 
-from paratrain.comm import all_gather_with_grad, broadcast_object, mean_metrics, ring_all_reduce
+from paratrain.comm import (
+    all_gather_with_grad,
+    broadcast_object,
+    mean_metrics,
+    ring_all_reduce,
+)
 from paratrain.contrastive import Gathered, gather_embeddings, nt_xent_loss
 from paratrain.data import DistributedSampler, partition
-from paratrain.errors import CheckpointError, CommError, ConfigError, ParatrainError, UsageError
+from paratrain.errors import (
+    CheckpointError,
+    CommError,
+    ConfigError,
+    ParatrainError,
+    UsageError,
+)
+from paratrain.metrics import MetricsLogger
 from paratrain.parallel.ddp import DistributedDataParallel
 from paratrain.parallel.dp import DP, DataParallel
 from paratrain.parallel.hierarchical import Hierarchical, HierarchicalDataParallel
 from paratrain.parallel.model_parallel import LayersOnDevices, ModelParallel
 from paratrain.parallel.pipeline import Pipeline, PipelineStage
-from paratrain.parallel.fsdp import WrapPolicy
 from paratrain.parallel.shard import full_state_dict, shard
-from paratrain.metrics import MetricsLogger
+from paratrain.parallel.wrap_policy import WrapPolicy
 from paratrain.precision import GradScaler
 from paratrain.session import Session
 from paratrain.strategy import DDP, Single, Strategy, ZeRO

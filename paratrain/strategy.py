@@ -30,8 +30,8 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.parallel.ddp import DistributedDataParallel
-from paratrain.parallel.fsdp import DEFAULT_WRAP_POLICY, WrapPolicy
 from paratrain.parallel.shard import shard
+from paratrain.parallel.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
 from paratrain.topology import Topology
 
 

@@ -33,38 +33,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from paratrain.comm import broadcast_coalesced, prefers_reduce_scatter
 from paratrain.errors import UsageError
-from paratrain.parallel.flat_shard import FlatShard, ParamSlot
 from paratrain.optim import clip_grad_norm_over
+from paratrain.parallel.flat_shard import FlatShard, ParamSlot
+from paratrain.parallel.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
 from paratrain.state_layout import FlatLayout
-
-
-@dataclass(frozen=True)
-class WrapPolicy:
-    """Which submodules become units of their own (gathered and freed on their own)."""
-
-    module_classes: tuple[type, ...] = ()  # every submodule of these classes (e.g. the blocks)
-    min_params: int = 0  # also any submodule holding at least this many not-yet-wrapped parameters
-
-    def select(self, root: nn.Module) -> list[str]:
-        """Names of the submodules to wrap, innermost first."""
-        chosen: list[str] = []
-        for name, module in reversed(list(root.named_modules())):
-            if not name:
-                continue
-            if isinstance(module, self.module_classes) or self._big_enough(name, module, chosen):
-                chosen.append(name)
-        return chosen
-
-    def _big_enough(self, name: str, module: nn.Module, chosen: list[str]) -> bool:
-        if self.min_params <= 0:
-            return False
-        inner = [c for c in chosen if c.startswith(name + ".")]
-        free = sum(p.numel() for n, p in module.named_parameters()
-                   if not any(f"{name}.{n}".startswith(c + ".") for c in inner))
-        return free >= self.min_params
-
-
-DEFAULT_WRAP_POLICY = WrapPolicy(min_params=1_000_000)  # units of about 4 MB of fp32 parameters
 
 
 class TrainingState(enum.Enum):

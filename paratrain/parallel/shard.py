@@ -7,8 +7,13 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.optim import rebuild_optimizer
-from paratrain.parallel.fsdp import FullyShardedDataParallel, WrapPolicy
-from paratrain.parallel.zero import _check_elementwise, param_groups_of, shard_data_parallel
+from paratrain.parallel.fsdp import FullyShardedDataParallel
+from paratrain.parallel.wrap_policy import WrapPolicy
+from paratrain.parallel.zero import (
+    _check_elementwise,
+    param_groups_of,
+    shard_data_parallel,
+)
 
 
 def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, process_group=None,
