@@ -37,17 +37,15 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
 import paratrain as pt  # noqa: E402
-from common import (MODELS, SEQ, interleave, loss_of, make_batches, make_model, peak_rss_mb, print_table,  # noqa: E402
-                    reset_peak_rss, return_freed_memory_to_os, rss_mb, slowest_rank, train_step,
+from common import (MODELS, SEQ, loss_of, make_batches, make_model, peak_rss_mb, print_table,  # noqa: E402
+                    reset_peak_rss, return_freed_memory_to_os, rss_mb, summarize_times,
+                    time_interleaved, train_step,
                     write_json)
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
@@ -81,28 +79,9 @@ def speed(topo, name: str, batch: int, warmup: int, rounds: int, steps: int) -> 
     ddps = {impl: wrap(copy.deepcopy(model)) for impl, wrap in WRAPPERS.items()}
     opts = {impl: _optimizer(ddp) for impl, ddp in ddps.items()}
     batches = make_batches(name, batch, DATA_BATCHES, seed=100 + topo.rank)
-    done = {impl: 0 for impl in ddps}  # steps taken: both walk the same batch sequence
-    losses, cpu = {}, {impl: [] for impl in ddps}
-
-    def run_block(impl: str, n: int) -> list[float]:
-        dist.barrier()
-        times = []
-        for _ in range(n):
-            x, y = batches[done[impl] % len(batches)]
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            losses[impl] = train_step(ddps[impl], opts[impl], x, y)
-            times.append(time.perf_counter() - start)
-            cpu[impl].append(time.thread_time() - start_cpu)
-            done[impl] += 1
-        return times
-
-    interleave(run_block, list(ddps), 1, warmup)
-    for warm in cpu.values():
-        warm.clear()  # keep the timed steps only
-    times = interleave(run_block, list(ddps), rounds, steps)
-    if done["ours"] != done["torch"] or not all(map(torch.isfinite, losses.values())):
-        raise RuntimeError(f"runs diverged: steps {done}, last losses {losses}")
-    return dict(times=times, cpu=cpu, diff=max_param_diff(ddps["ours"].module, ddps["torch"].module))
+    step_of = {impl: (lambda x, y, impl=impl: train_step(ddps[impl], opts[impl], x, y)) for impl in ddps}
+    timed = time_interleaved(step_of, batches, warmup=warmup, rounds=rounds, steps=steps)
+    return dict(**timed, diff=max_param_diff(ddps["ours"].module, ddps["torch"].module))
 
 
 def bench_model(name: str, args) -> dict:
@@ -111,16 +90,10 @@ def bench_model(name: str, args) -> dict:
               for impl in WRAPPERS}
     results = run_on_ranks(speed, WORLD, name, args.batch, args.warmup, args.rounds, args.steps,
                            threads=THREADS, timeout=900, collective_timeout=300)
-    steps = {impl: slowest_rank([r["times"][impl] for r in results]) for impl in WRAPPERS}
-    ms = {impl: 1e3 * statistics.median(t) for impl, t in steps.items()}
-    cpu_ms = {f"{impl}_cpu_ms": 1e3 * max(statistics.median(r["cpu"][impl]) for r in results)
-              for impl in WRAPPERS}
-    per_round = {f"{impl}_round_ms": [1e3 * statistics.median(t[i:i + args.steps])
-                                      for i in range(0, len(t), args.steps)] for impl, t in steps.items()}
+    times = summarize_times(results, list(WRAPPERS), args.steps)
     return dict(params=sum(p.numel() for p in make_model(name).parameters()),
-                ours_ms=ms["ours"], torch_ms=ms["torch"], ratio=ms["ours"] / ms["torch"],
-                max_param_diff=max(r["diff"] for r in results),
-                ours_peak_mb=memory["ours"], torch_peak_mb=memory["torch"], **cpu_ms, **per_round)
+                ratio=times["ours_ms"] / times["torch_ms"], max_param_diff=max(r["diff"] for r in results),
+                ours_peak_mb=memory["ours"], torch_peak_mb=memory["torch"], **times)
 
 
 def _parse_args(argv) -> argparse.Namespace:
