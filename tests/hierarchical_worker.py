@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py, when run as a script
 import paratrain as pt  # noqa: E402
-from models import make_batches, make_model  # noqa: E402
+from models import make_batches, make_model, make_optimizer, reference, train_on_rank  # noqa: E402
 from paratrain.comm import ByteCounter, ring_all_reduce  # noqa: E402
 from paratrain.parallel.hierarchical import HierarchicalDataParallel  # noqa: E402
 
@@ -28,12 +28,6 @@ CASES = [("mlp", 1, "sgd", TINY_BUCKETS), ("bn", 1, "sgd", None), ("tied", 2, "a
          ("unused", 1, "sgd", TINY_BUCKETS), ("mlp", 2, "sgd", None)]
 
 
-def optimizer(kind, params):
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=0.01)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
 def train(topo, wrapper, name, accumulate, optim, caps, groups=None):
     """STEPS steps on this rank's share of each global batch; returns (state, bytes sent)."""
     kwargs = dict(find_unused_parameters=name == "unused", bucket_cap_mb_list=caps)
@@ -41,34 +35,14 @@ def train(topo, wrapper, name, accumulate, optim, caps, groups=None):
         model = HierarchicalDataParallel(make_model(name), topology=topo, groups=groups, **kwargs)
     else:
         model = pt.DistributedDataParallel(make_model(name), **kwargs)
-    opt = optimizer(optim, model.parameters())
-    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
-    pieces = topo.world_size * accumulate
-    for step in range(STEPS):
-        for micro in range(accumulate):
-            index = topo.rank * accumulate + micro
-            x, y = xs[step].chunk(pieces)[index], ys[step].chunk(pieces)[index]
-            with model.no_sync() if micro < accumulate - 1 else _nothing():
-                (F.cross_entropy(model(x), y) / accumulate).backward()
-        opt.step()
-        opt.zero_grad()
+    train_on_rank(topo, model, make_optimizer(optim, model.parameters()), steps=STEPS,
+                  global_batch=GLOBAL_BATCH, accumulate=accumulate)
     sent = model.bytes_sent if wrapper == "hierarchical" else None
     return {k: v.clone() for k, v in model.module.state_dict().items()}, sent
 
 
-def reference(name, world, accumulate, optim):
-    """One process on the same global batches; BatchNorm sees the ranks' pieces (each piece its
-    own statistics), so the batch is cut the same way and the losses averaged."""
-    model = make_model(name)
-    opt = optimizer(optim, model.parameters())
-    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
-    pieces = world * accumulate if name == "bn" else 1
-    for step in range(STEPS):
-        for x, y in zip(xs[step].chunk(pieces), ys[step].chunk(pieces)):
-            (F.cross_entropy(model(x), y) / pieces).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach() for k, v in model.named_parameters()}
+def reference_for(name, world, accumulate, optim):
+    return reference(name, optim, world=world, accumulate=accumulate, steps=STEPS, global_batch=GLOBAL_BATCH)
 
 
 def flat_ring_cross_node_bytes(topo, numel):
@@ -104,14 +78,6 @@ def one_backward_bytes(topo, groups):
     dist.barrier()
     return dict(numel=numel, inter=model.bytes_sent.inter_node.sent,
                 intra=model.bytes_sent.intra_node.sent, flat=flat_ring_cross_node_bytes(topo, numel))
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

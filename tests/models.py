@@ -1,7 +1,10 @@
 """Small models that exercise what data-parallel code gets wrong: BatchNorm buffers, dropout,
 tied weights, unused parameters, parameter sizes not divisible by the world size."""
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -86,3 +89,53 @@ def make_batches(steps: int, global_batch: int, seed: int = 1):
     xs = torch.randn(steps, global_batch, 12, generator=g)
     ys = torch.randint(0, 5, (steps, global_batch), generator=g)
     return xs, ys
+
+
+# per-replica statistics, masks or branches: the reference cuts the batch the way the ranks do
+CHUNKED = {"bn", "dropout", "sometimes"}
+
+
+def make_optimizer(kind: str, params):
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    if kind == "adamw":  # its defaults hold a key its constructor does not take
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def piece_seed(step: int, piece: int) -> int:
+    """The dropout seed of one piece of one global batch, the same for a rank and the reference."""
+    return 1000 * step + piece
+
+
+def train_on_rank(topo, model, optimizer, *, steps: int, global_batch: int, accumulate: int = 1) -> None:
+    """The ranks' side of the parity tests: each step, this rank's `accumulate` pieces of the
+    global batch (no_sync() on all but the last), each loss divided by `accumulate`."""
+    xs, ys = make_batches(steps, global_batch)
+    pieces = topo.world_size * accumulate
+    for step in range(steps):
+        for micro in range(accumulate):
+            index = topo.rank * accumulate + micro
+            x, y = xs[step].chunk(pieces)[index], ys[step].chunk(pieces)[index]
+            torch.manual_seed(piece_seed(step, index))
+            with model.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
+                (F.cross_entropy(model(x), y) / accumulate).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def reference(name: str, optim: str, *, world: int, accumulate: int, steps: int,
+              global_batch: int) -> dict[str, torch.Tensor]:
+    """One process on the same global batches. For the CHUNKED models the batch is cut into the
+    ranks' pieces (each its own statistics, seeded mask or branch), losses averaged."""
+    model = make_model(name)
+    opt = make_optimizer(optim, model.parameters())
+    xs, ys = make_batches(steps, global_batch)
+    pieces = world * accumulate if name in CHUNKED else 1
+    for step in range(steps):
+        for index, (x, y) in enumerate(zip(xs[step].chunk(pieces), ys[step].chunk(pieces))):
+            torch.manual_seed(piece_seed(step, index))
+            (F.cross_entropy(model(x), y) / pieces).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.named_parameters()}

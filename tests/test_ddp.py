@@ -9,74 +9,25 @@ import torch.nn.functional as F
 
 import paratrain as pt
 from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
-from models import make_batches, make_model
+from models import make_batches, make_model, make_optimizer, reference, train_on_rank
 
 STEPS, GLOBAL_BATCH = 4, 16
-# per-replica statistics, masks or branches: the reference splits the batch the same way
-CHUNKED = {"bn", "dropout", "sometimes"}
 FIND_UNUSED = {"unused", "sometimes"}
-
-
-def _step_seed(step: int, chunk: int) -> int:
-    return 1000 * step + chunk
 
 
 def _train_on_rank(topo, name, impl, accumulate, optim):
     """Train `impl` ("ours" or "torch") for STEPS steps on this rank's share of each batch."""
-    model = make_model(name)
     wrap = pt.DistributedDataParallel if impl == "ours" else torch.nn.parallel.DistributedDataParallel
     # tiny buckets: many all-reduces, filled out of order, must still match torch's DDP
-    ddp = wrap(model, find_unused_parameters=name in FIND_UNUSED, bucket_cap_mb=0.0005)
-    opt = _optimizer(optim, ddp.parameters())
-    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
-    pieces = topo.world_size * accumulate
-    for step in range(STEPS):
-        for micro in range(accumulate):
-            index = topo.rank * accumulate + micro
-            x, y = xs[step].chunk(pieces)[index], ys[step].chunk(pieces)[index]
-            torch.manual_seed(_step_seed(step, index))
-            last = micro == accumulate - 1
-            with (ddp.no_sync() if not last else _nothing()):
-                loss = F.cross_entropy(ddp(x), y) / accumulate
-                loss.backward()
-        opt.step()
-        opt.zero_grad()
+    ddp = wrap(make_model(name), find_unused_parameters=name in FIND_UNUSED, bucket_cap_mb=0.0005)
+    train_on_rank(topo, ddp, make_optimizer(optim, ddp.parameters()), steps=STEPS,
+                  global_batch=GLOBAL_BATCH, accumulate=accumulate)
     return ddp.module.state_dict()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _optimizer(kind, params):
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=0.01)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def _both(topo, name, accumulate, optim):
     return (_train_on_rank(topo, name, "ours", accumulate, optim),
             _train_on_rank(topo, name, "torch", accumulate, optim))
-
-
-def reference(name, world, accumulate, optim):
-    """Single process, same global batches. For BatchNorm and dropout the batch is cut into the
-    same pieces as the ranks' (each piece its own statistics / seeded mask), losses averaged."""
-    model = make_model(name)
-    opt = _optimizer(optim, model.parameters())
-    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
-    pieces = world * accumulate if name in CHUNKED else 1
-    for step in range(STEPS):
-        for index, (x, y) in enumerate(zip(xs[step].chunk(pieces), ys[step].chunk(pieces))):
-            torch.manual_seed(_step_seed(step, index))
-            (F.cross_entropy(model(x), y) / pieces).backward()
-        opt.step()
-        opt.zero_grad()
-    return dict(model.named_parameters())
 
 
 CASES = [(name, world, 1, "sgd") for name in ("mlp", "bn", "dropout", "tied", "unused")
@@ -89,7 +40,7 @@ CASES += [("mlp", 2, 4, "sgd"), ("bn", 2, 2, "sgd"), ("mlp", 2, 1, "adam"), ("ti
 def test_ddp_matches_single_process_and_torch_ddp(name, world, accumulate, optim):
     if GLOBAL_BATCH % (world * accumulate):
         pytest.fail("test setup: global batch must split evenly")
-    ref = {k: v.detach() for k, v in reference(name, world, accumulate, optim).items()}
+    ref = reference(name, optim, world=world, accumulate=accumulate, steps=STEPS, global_batch=GLOBAL_BATCH)
     for ours, theirs in run_on_ranks(_both, world, name, accumulate, optim):  # every rank
         assert_same_params({k: ours[k] for k in ref}, ref, atol=1e-5)
         assert_same_params(ours, theirs, atol=1e-6)  # buffers (BatchNorm statistics) included

@@ -27,7 +27,7 @@ def check_parity(per_rank, world):
     (BatchNorm statistics are each rank's own after its last forward, as in torch's DDP)."""
     for name, accumulate, optim, _ in worker.CASES:
         key = f"{name}-acc{accumulate}-{optim}"
-        ref = worker.reference(name, world, accumulate, optim)
+        ref = worker.reference_for(name, world, accumulate, optim)
         for rank in per_rank:
             hier, flat = rank[key]["hierarchical"], rank[key]["flat"]
             assert_same_params({k: hier[k] for k in ref}, ref, atol=1e-5)

@@ -1,62 +1,27 @@
 """ZeRO stages on real ranks against single-process training."""
 
 import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import paratrain as pt
 from paratrain.testing import assert_same_params, run_on_ranks
-from models import make_batches, make_model
+from models import make_batches, make_model, make_optimizer, reference, train_on_rank
 
 STEPS, GLOBAL_BATCH = 3, 16
-CHUNKED = {"bn"}  # per-replica BatchNorm statistics: the reference splits the batch too
-
-
-def _optimizer(kind, params):
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=0.01)
-    if kind == "adamw":  # its defaults hold a key its constructor does not take
-        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def _train_sharded(topo, name, stage, optim, accumulate):
     model = make_model(name)
-    model, opt = pt.shard(model, _optimizer(optim, model.parameters()), stage=stage, bucket_cap_mb=0.0005)
-    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
-    pieces = topo.world_size * accumulate
-    for step in range(STEPS):
-        for micro in range(accumulate):
-            index = topo.rank * accumulate + micro
-            x, y = xs[step].chunk(pieces)[index], ys[step].chunk(pieces)[index]
-            ctx = model.no_sync() if micro < accumulate - 1 else _nothing()
-            with ctx:
-                (F.cross_entropy(model(x), y) / accumulate).backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = pt.shard(model, make_optimizer(optim, model.parameters()), stage=stage, bucket_cap_mb=0.0005)
+    train_on_rank(topo, model, opt, steps=STEPS, global_batch=GLOBAL_BATCH, accumulate=accumulate)
     return pt.full_state_dict(model)
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def reference(name, world, accumulate, optim):
-    model = make_model(name)
-    opt = _optimizer(optim, model.parameters())
-    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
-    pieces = world * accumulate if name in CHUNKED else 1
-    for step in range(STEPS):
-        for x, y in zip(xs[step].chunk(pieces), ys[step].chunk(pieces)):
-            (F.cross_entropy(model(x), y) / pieces).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach() for k, v in model.named_parameters()}
+def _reference(name, world, accumulate, optim):
+    return reference(name, optim, world=world, accumulate=accumulate, steps=STEPS, global_batch=GLOBAL_BATCH)
 
 
 CASES = [(stage, name, world, optim, 1) for stage in (1, 2) for name in ("mlp", "tied", "bn")
@@ -68,7 +33,7 @@ CASES += [(1, "mlp", 2, "adam", 2), (2, "mlp", 2, "adam", 2), (2, "tied", 4, "sg
 @pytest.mark.parametrize("stage,name,world,optim,accumulate", CASES)
 def test_zero_matches_single_process(stage, name, world, optim, accumulate):
     ours = run_on_ranks(_train_sharded, world, name, stage, optim, accumulate)
-    ref = reference(name, world, accumulate, optim)
+    ref = _reference(name, world, accumulate, optim)
     for state in ours:
         assert_same_params({k: state[k] for k in ref}, ref, atol=1e-5)
 
@@ -81,17 +46,8 @@ def _policy(name):
 
 def _train_stage3(topo, name, optim, accumulate):
     model = make_model(name)
-    model, opt = pt.shard(model, _optimizer(optim, model.parameters()), stage=3, wrap_policy=_policy(name))
-    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
-    pieces = topo.world_size * accumulate
-    for step in range(STEPS):
-        for micro in range(accumulate):
-            index = topo.rank * accumulate + micro
-            x, y = xs[step].chunk(pieces)[index], ys[step].chunk(pieces)[index]
-            with model.no_sync() if micro < accumulate - 1 else _nothing():
-                (F.cross_entropy(model(x), y) / accumulate).backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = pt.shard(model, make_optimizer(optim, model.parameters()), stage=3, wrap_policy=_policy(name))
+    train_on_rank(topo, model, opt, steps=STEPS, global_batch=GLOBAL_BATCH, accumulate=accumulate)
     return pt.full_state_dict(model), len(model.units)
 
 
@@ -103,7 +59,7 @@ CASES3 += [("mlp", 2, "adam", 2), ("tied", 4, "sgd", 2), ("tied", 2, "adamw", 1)
 @pytest.mark.parametrize("name,world,optim,accumulate", CASES3)
 def test_stage3_matches_single_process(name, world, optim, accumulate):
     ours = run_on_ranks(_train_stage3, world, name, optim, accumulate)
-    ref = reference(name, world, accumulate, optim)
+    ref = _reference(name, world, accumulate, optim)
     for state, units in ours:
         assert units > 1
         assert_same_params({k: state[k] for k in ref}, ref, atol=1e-5)
@@ -111,7 +67,7 @@ def test_stage3_matches_single_process(name, world, optim, accumulate):
 
 def _sharded(name, stage, seed=0):
     model = make_model(name, seed=seed)
-    return pt.shard(model, _optimizer("adam", model.parameters()), stage=stage, wrap_policy=_policy(name))
+    return pt.shard(model, make_optimizer("adam", model.parameters()), stage=stage, wrap_policy=_policy(name))
 
 
 def _step(model, opt, x, y):
@@ -186,7 +142,7 @@ def test_optimizer_misuse_is_a_clear_error(case, message):
 
 def _train_mixed(topo, offload, param_dtype):
     model = make_model("mlp")
-    model, opt = pt.shard(model, _optimizer("adam", model.parameters()), stage=3, offload=offload,
+    model, opt = pt.shard(model, make_optimizer("adam", model.parameters()), stage=3, offload=offload,
                           param_dtype=param_dtype, wrap_policy=_policy("mlp"))
     xs, ys = make_batches(STEPS, GLOBAL_BATCH)
     for x, y in zip(xs, ys):
@@ -202,7 +158,7 @@ def mixed_reference(world, dtype):
     """fp32 master weights and Adam; each replica's forward and backward in `dtype`; gradients
     divided by the world in `dtype`, summed in `dtype`, then stepped in fp32."""
     master = make_model("mlp")
-    opt = _optimizer("adam", master.parameters())
+    opt = make_optimizer("adam", master.parameters())
     xs, ys = make_batches(STEPS, GLOBAL_BATCH)
     for x, y in zip(xs, ys):
         total = None
@@ -228,7 +184,7 @@ def test_stage3_bf16_compute_with_fp32_master_state_matches_its_arithmetic():
 def test_stage3_offload_matches_single_process():
     # on this CPU-only machine the shards' home and the compute device coincide; the device to
     # host copies are exercised only where CUDA is present
-    ref = reference("mlp", 2, 1, "adam")
+    ref = _reference("mlp", 2, 1, "adam")
     for state, dtypes, _ in run_on_ranks(_train_mixed, 2, True, None):
         assert dtypes == {"torch.float32"}
         assert_same_params({k: state[k] for k in ref}, ref, atol=1e-5)
@@ -272,7 +228,7 @@ def _recover(topo):
 
 def test_stage3_recovers_from_a_failed_backward():
     model = make_model("mlp")
-    opt = _optimizer("adam", model.parameters())
+    opt = make_optimizer("adam", model.parameters())
     xs, ys = make_batches(STEPS + 1, GLOBAL_BATCH)
     for x, y in zip(xs[1:], ys[1:]):
         _step(model, opt, x, y)
