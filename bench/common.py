@@ -9,6 +9,7 @@ mallopt.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import json
@@ -253,3 +254,31 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
 def write_json(path: str | os.PathLike, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def bench_parser(doc: str, *, out_name: str, rounds: int, steps: int, warmup: int,
+                 batch: int) -> argparse.ArgumentParser:
+    """The options every side-by-side benchmark takes, with its own defaults."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds")
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per implementation per round")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps per implementation first")
+    parser.add_argument("--batch", type=int, default=batch,
+                        help=f"samples per rank: MLP rows, transformer tokens (a multiple of {SEQ})")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", out_name),
+                        help="where to write the JSON results")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny settings for a smoke check (options given explicitly still win)")
+    return parser
+
+
+def parse_bench_args(parser: argparse.ArgumentParser, argv, quick: dict) -> argparse.Namespace:
+    """Parse; under --quick the `quick` defaults apply (options given explicitly still win)."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**quick)
+        args = parser.parse_args(argv)
+    if args.batch <= 0 or args.batch % SEQ or min(args.rounds, args.steps) < 1 or args.warmup < 0:
+        parser.error(f"--batch must be a positive multiple of {SEQ} (the transformer's sequence "
+                     "length), --rounds and --steps at least 1, --warmup at least 0")
+    return args

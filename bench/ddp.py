@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
 import paratrain as pt  # noqa: E402
-from common import (MODELS, SEQ, loss_of, make_batches, make_model, peak_rss_mb, print_table,  # noqa: E402
+from common import (MODELS, SEQ, bench_parser, parse_bench_args, loss_of, make_batches, make_model, peak_rss_mb, print_table,  # noqa: E402
                     reset_peak_rss, return_freed_memory_to_os, rss_mb, summarize_times,
                     time_interleaved, train_step,
                     write_json)
@@ -97,24 +97,8 @@ def bench_model(name: str, args) -> dict:
 
 
 def _parse_args(argv) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation per round")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first")
-    parser.add_argument("--batch", type=int, default=128,
-                        help="samples per rank: MLP rows, transformer tokens (a multiple of 64)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ddp.json"),
-                        help="where to write the JSON results")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny settings for a smoke check (options given explicitly still win)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        parser.set_defaults(rounds=2, steps=2, warmup=1, batch=SEQ)
-        args = parser.parse_args(argv)
-    if args.batch <= 0 or args.batch % SEQ or min(args.rounds, args.steps) < 1 or args.warmup < 0:
-        parser.error(f"--batch must be a positive multiple of {SEQ} (the transformer's sequence "
-                     "length), --rounds and --steps at least 1, --warmup at least 0")
-    return args
+    parser = bench_parser(__doc__, out_name="ddp.json", rounds=5, steps=20, warmup=3, batch=128)
+    return parse_bench_args(parser, argv, quick=dict(rounds=2, steps=2, warmup=1, batch=SEQ))
 
 
 def _report(models: dict) -> None:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
 import paratrain as pt  # noqa: E402
-from common import (MODELS, SEQ, interleave, make_batches, make_model, print_table, slowest_rank,  # noqa: E402
+from common import (MODELS, bench_parser, parse_bench_args, interleave, make_batches, make_model, print_table, slowest_rank,  # noqa: E402
                     train_step, write_json)
 from paratrain.comm import ByteCounter  # noqa: E402
 from paratrain.parallel.hierarchical import HierarchicalDataParallel  # noqa: E402
@@ -105,22 +105,8 @@ def bench_model(name: str, args) -> dict:
 
 
 def _parse_args(argv) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per implementation per round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation first")
-    parser.add_argument("--batch", type=int, default=64,
-                        help="samples per rank: MLP rows, transformer tokens (a multiple of 64)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                      "hierarchical.json"))
-    parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke check")
-    args = parser.parse_args(argv)
-    if args.quick:
-        parser.set_defaults(rounds=1, steps=1, warmup=1)
-        args = parser.parse_args(argv)
-    if args.batch <= 0 or args.batch % SEQ or min(args.rounds, args.steps) < 1 or args.warmup < 0:
-        parser.error(f"--batch must be a positive multiple of {SEQ}, --rounds and --steps at least 1")
-    return args
+    parser = bench_parser(__doc__, out_name="hierarchical.json", rounds=3, steps=5, warmup=2, batch=64)
+    return parse_bench_args(parser, argv, quick=dict(rounds=1, steps=1, warmup=1))
 
 
 def main(argv=None) -> None:

@@ -67,7 +67,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
 import paratrain as pt  # noqa: E402
-from common import (MODELS, SEQ, distinct_storage_bytes, live_tensor_bytes, loss_of,  # noqa: E402
+from common import (MODELS, SEQ, bench_parser, parse_bench_args, distinct_storage_bytes, live_tensor_bytes, loss_of,  # noqa: E402
                     make_batches, make_model, peak_rss_mb, print_table, reset_peak_rss,
                     return_freed_memory_to_os, rss_mb, summarize_times, time_interleaved, train_step,
                     write_json)
@@ -242,29 +242,14 @@ def bench_pair(stage: int, name: str, args) -> dict:
 
 
 def _parse_args(argv) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per implementation per round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation first")
-    parser.add_argument("--batch", type=int, default=128,
-                        help="samples per rank: MLP rows, transformer tokens (a multiple of 64)")
+    parser = bench_parser(__doc__, out_name="zero.json", rounds=5, steps=8, warmup=2, batch=128)
     parser.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages to run")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated models to run")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "zero.json"),
-                        help="where to write the JSON results")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny settings for a smoke check (options given explicitly still win)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        parser.set_defaults(rounds=2, steps=2, warmup=1, batch=SEQ)
-        args = parser.parse_args(argv)
+    args = parse_bench_args(parser, argv, quick=dict(rounds=2, steps=2, warmup=1, batch=SEQ))
     args.stages = [int(s) for s in args.stages.split(",")]
     args.models = args.models.split(",")
-    if (args.batch <= 0 or args.batch % SEQ or min(args.rounds, args.steps) < 1 or args.warmup < 0
-            or not set(args.stages) <= {1, 2, 3} or not set(args.models) <= set(MODELS)):
-        parser.error(f"--batch must be a positive multiple of {SEQ} (the transformer's sequence "
-                     "length), --rounds and --steps at least 1, --warmup at least 0, --stages "
-                     f"among 1,2,3, --models among {','.join(MODELS)}")
+    if not set(args.stages) <= {1, 2, 3} or not set(args.models) <= set(MODELS):
+        parser.error(f"--stages takes some of 1,2,3 and --models some of {','.join(MODELS)}")
     return args
 
 
