@@ -30,14 +30,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from paratrain import checkpoint
-from paratrain.comm import group_device
+from paratrain.accumulation import TokenWeights
 from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.data import shard_loader
 from paratrain.errors import ConfigError, UsageError
@@ -82,7 +81,7 @@ class Session:
         if grad_scaler is not None and precision != "fp16":
             raise ConfigError(f"grad_scaler is for precision='fp16'; got precision={precision!r}")
         self.scaler = (grad_scaler or GradScaler()) if precision == "fp16" else None
-        self._weights = _Weights()  # token weights of this accumulation window
+        self._weights = TokenWeights()  # token weights of this accumulation window
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be a positive norm to clip to; got {max_grad_norm} "
                               "(leave it None not to clip)")
@@ -405,36 +404,3 @@ class Session:
 def _batch_len(batch: Any) -> int:
     tensors = [t for t in tree_flatten(batch)[0] if torch.is_tensor(t) and t.dim() > 0]
     return tensors[0].shape[0] if tensors else 1
-
-
-class _Weights:
-    """The token weights (`backward(loss, weight=...)`) of one accumulation window."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.total, self.weighted, self.plain = 0.0, 0, 0
-
-    def add(self, weight: float | torch.Tensor | None, accumulate: int) -> float:
-        if weight is None:
-            self.plain += 1
-            return 1 / accumulate
-        self.total += float(weight)
-        self.weighted += 1
-        return float(weight)
-
-    def normaliser(self, replicas: int) -> float:
-        """replicas / (Σ weight over every rank), 1.0 without weights; resets the window. A
-        collective when weights were given (every rank gives them)."""
-        weighted, plain, total = self.weighted, self.plain, self.total
-        self.reset()
-        if not weighted:
-            return 1.0
-        if plain:
-            raise UsageError(f"{weighted} micro-batch(es) of this optimizer step passed weight= and "
-                             f"{plain} did not; pass it on every micro-batch (or on none)")
-        total_t = torch.tensor(total, dtype=torch.float64, device=group_device())
-        dist.all_reduce(total_t)
-        total = total_t.item()
-        return replicas / total if total > 0 else 1.0  # no tokens anywhere: the gradients are 0
