@@ -146,7 +146,7 @@ def rng_state() -> dict[str, torch.Tensor]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     plain = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
     state = {"torch": torch.get_rng_state(),
-             "plain": torch.tensor(list(json.dumps(plain).encode()), dtype=torch.uint8)}
+             "plain": _json_tensor(plain)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -158,7 +158,7 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    plain = json.loads(bytes(state["plain"].tolist()).decode())
+    plain = _json_of(state["plain"])
     version, internal, gauss = plain["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = plain["numpy"]
@@ -180,7 +180,7 @@ def _read_meta(path: Path, metadata) -> dict:
         raise ConfigError(f"{path} was not written by paratrain.checkpoint.save")
     blob = torch.empty(metadata.state_dict_metadata["meta/json"].size, dtype=torch.uint8)
     _read(lambda: dcp.load({"meta/json": blob}, storage_reader=SafeReader(path)), path)
-    meta = json.loads(bytes(blob.tolist()).decode())
+    meta = _json_of(blob)
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path} has checkpoint format {meta.get('format')}; this paratrain reads {FORMAT}")
     return meta
@@ -223,7 +223,12 @@ def _apply_hyperparameters(optimizer, groups: list[dict]) -> None:
 
 
 def _json_tensor(obj: Any) -> torch.Tensor:
+    """A JSON-able object as a uint8 tensor: what a checkpoint holds instead of a pickle."""
     return torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def _json_of(blob: torch.Tensor) -> Any:
+    return json.loads(bytes(blob.tolist()).decode())
 
 
 def _replace(partial: Path, path: Path) -> None:
