@@ -13,6 +13,18 @@ from paratrain.comm import group_device
 from paratrain.errors import ConfigError
 
 
+def check_optimizer_owns(optimizer: torch.optim.Optimizer, params) -> None:
+    """Every tensor the optimizer steps must be one of `params` (the model's parameters, or its
+    trainable ones where a strategy shards them): an optimizer made for another model, or for a
+    copy, would step tensors training never touches."""
+    owned = {id(p) for p in params}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in owned)
+    if foreign:
+        raise ConfigError(f"the optimizer holds {foreign} tensor(s) that are not parameters of the "
+                          "model passed with it; create the optimizer from model.parameters() of "
+                          "that same model")
+
+
 def rebuild_optimizer(optimizer: torch.optim.Optimizer,
                       groups: list[list[nn.Parameter]]) -> torch.optim.Optimizer:
     """A new optimizer of the same class whose param group i holds `groups[i]`, with the

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.errors import ConfigError
+from paratrain.optim import check_optimizer_owns
 from paratrain.parallel.ddp import DistributedDataParallel
 from paratrain.parallel.shard import shard
 from paratrain.parallel.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
@@ -53,7 +54,7 @@ class Strategy:
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
                        topology: Topology) -> torch.optim.Optimizer:
-        check_optimizer_owns(optimizer, self.unwrap(model))
+        check_optimizer_owns(optimizer, self.unwrap(model).parameters())
         return optimizer
 
     def no_sync(self, model: nn.Module) -> ContextManager:
@@ -184,13 +185,3 @@ def resolve(strategy: str | Strategy) -> Strategy:
         raise ConfigError(f"unknown strategy {strategy!r}; choose one of {sorted(known)} "
                           "or pass a strategy object such as paratrain.DDP(...)")
     return known[strategy]()
-
-
-def check_optimizer_owns(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """The optimizer must step the parameters of the model given to setup()."""
-    owned = {id(p) for p in model.parameters()}
-    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in owned)
-    if foreign:
-        raise ConfigError(f"the optimizer holds {foreign} tensor(s) that are not parameters of the "
-                          "model passed to setup(); create the optimizer from model.parameters() "
-                          "of the same model")

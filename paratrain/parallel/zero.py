@@ -31,7 +31,7 @@ from torch import nn
 
 from paratrain.comm import gather_from_owners, prefers_reduce_scatter, reduce_to_owners
 from paratrain.errors import ConfigError
-from paratrain.optim import clip_grad_norm_over, rebuild_optimizer
+from paratrain.optim import check_optimizer_owns, clip_grad_norm_over, rebuild_optimizer
 from paratrain.parallel.buckets import Bucket, GradBuckets
 from paratrain.parallel.ddp import DistributedDataParallel
 from paratrain.state_layout import FlatLayout
@@ -212,14 +212,9 @@ def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
 def param_groups_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int]:
     """Which param group of `optimizer` holds each trainable parameter of `model`; a clear error
     when the optimizer was made for another model or leaves parameters out."""
+    check_optimizer_owns(optimizer, [p for p in model.parameters() if p.requires_grad])
     group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    owned = {id(p) for p in trainable}
-    foreign = [p for p in group_of if id(p) not in owned]
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p not in group_of]
-    if foreign:
-        raise ConfigError(f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of "
-                          "the model; create it from model.parameters() before sharding")
     if missing:
         raise ConfigError(f"the optimizer does not hold {len(missing)} trainable parameter(s) "
                           f"({', '.join(missing[:5])}); pass them all, or set requires_grad=False")
