@@ -1,6 +1,6 @@
 """Benchmark: our GPipe and 1F1B against torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B.
 
-    python bench/pipeline.py [--rounds 5] [--steps 6] [--batch 1024] [--microbatches 4 8] [--quick]
+    python bench/pipeline.py [--rounds 10] [--steps 6] [--batch 1024] [--microbatches 4 8] [--quick]
 
 World 2 on gloo, 2 stages, one thread per rank (2 ranks on 2 cores), ranks started by
 `paratrain.testing.run_on_ranks`. The model: 8 × (Linear 512→512, ReLU) and Linear 512→10, an
@@ -14,16 +14,18 @@ blocks leave RSS (bench/common.py), runs one warm-up step of an implementation (
 momentum now exist), resets the kernel's high-water mark, and runs one forward-backward of the
 batch without stepping: VmHWM - VmRSS before it is what the schedule kept alive (activations,
 received tensors, send buffers). Implementations are measured one after another in the same
-process; everything of one is freed before the next is measured.
+processes, each against the RSS just before its own forward-backward.
 
-Phase 2, speed: in the same processes, `--rounds` rounds in which each of the four
-implementations (ours/torch × gpipe/1f1b) runs `--steps` timed steps (forward-backward, optimizer
-step, zero_grad), the order rotated each round; ranks meet at a barrier before each block. A step
-takes as long as its slowest rank; reported: the median over all timed steps. Ratio = ours/torch,
-per schedule. Also reported: each round's median (to show the noise) and, as *_cpu_ms, the
-median CPU time of the training thread per step (larger rank), which leaves out waiting (for the
-peer stage, and for other processes on a busy machine). Both implementations of a schedule then took the same steps from the same start:
-max_param_diff is the largest |ours - torch| over the stage's parameters.
+Phase 2, speed: in fresh processes, with glibc's default allocator (a fixed mmap threshold makes
+every large tensor a new mapping and its pages new faults, a cost no real run pays), `--rounds`
+rounds in which each of the four implementations (ours/torch × gpipe/1f1b) runs `--steps` timed
+steps (forward-backward, optimizer step, zero_grad), the order rotated each round; ranks meet
+at a barrier before each block. A step takes as long as its slowest rank; reported: the median
+over all timed steps. Ratio = ours/torch, per schedule. Also reported: each round's median (to
+show the noise) and, as *_cpu_ms, the median CPU time of the training thread per step (larger
+rank), which leaves out waiting (for the peer stage, and for other processes on a busy machine).
+Both implementations of a schedule then took the same steps from the same start: max_param_diff
+is the largest |ours - torch| over the stage's parameters.
 """
 
 from __future__ import annotations
@@ -119,13 +121,22 @@ def peak_memory(impl, x, y) -> float:
     return peak
 
 
-def run(topo, m: int, batch: int, warmup: int, rounds: int, steps: int) -> dict:
-    return_freed_memory_to_os()
+def batch_of(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    x, y = torch.randn(batch, WIDTH, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    impls = build(topo, m)
-    memory = {name: peak_memory(impl, x, y) for name, impl in impls.items()}
+    return torch.randn(size, WIDTH, generator=g), torch.randint(0, 10, (size,), generator=g)
 
+
+def memory(topo, m: int, batch: int) -> dict:
+    """Phase 1: peak activation MiB of each implementation on this rank."""
+    return_freed_memory_to_os()
+    x, y = batch_of(batch)
+    return {name: peak_memory(impl, x, y) for name, impl in build(topo, m).items()}
+
+
+def speed(topo, m: int, batch: int, warmup: int, rounds: int, steps: int) -> dict:
+    """Phase 2, in fresh processes with glibc's default allocator: interleaved timed steps."""
+    x, y = batch_of(batch)
+    impls = build(topo, m)
     cpu: dict[str, list[float]] = {name: [] for name in IMPLS}
 
     def run_block(name: str, n: int) -> list[float]:
@@ -143,11 +154,12 @@ def run(topo, m: int, batch: int, warmup: int, rounds: int, steps: int) -> dict:
         warm.clear()  # keep the timed steps only
     times = interleave(run_block, IMPLS, rounds, steps)
     diff = {s: max_param_diff(impls[f"ours-{s}"].module, impls[f"torch-{s}"].module) for s in ("gpipe", "1f1b")}
-    return dict(times=times, cpu=cpu, memory=memory, diff=diff)
+    return dict(times=times, cpu=cpu, diff=diff)
 
 
 def bench(m: int, args) -> list[dict]:
-    results = run_on_ranks(run, WORLD, m, args.batch, args.warmup, args.rounds, args.steps,
+    memories = run_on_ranks(memory, WORLD, m, args.batch, threads=THREADS, timeout=600)
+    results = run_on_ranks(speed, WORLD, m, args.batch, args.warmup, args.rounds, args.steps,
                            threads=THREADS, timeout=1200, collective_timeout=300)
     steps = {name: slowest_rank([r["times"][name] for r in results]) for name in IMPLS}
     ms = {name: 1e3 * statistics.median(t) for name, t in steps.items()}
@@ -160,15 +172,15 @@ def bench(m: int, args) -> list[dict]:
         rows.append(dict(schedule=schedule, microbatches=m, ours_ms=ms[ours], torch_ms=ms[theirs],
                          ratio=ms[ours] / ms[theirs], ours_cpu_ms=cpu_ms[ours], torch_cpu_ms=cpu_ms[theirs],
                          ours_round_ms=rounds[ours], torch_round_ms=rounds[theirs],
-                         ours_peak_mb=[r["memory"][ours] for r in results],
-                         torch_peak_mb=[r["memory"][theirs] for r in results],
+                         ours_peak_mb=[mem[ours] for mem in memories],
+                         torch_peak_mb=[mem[theirs] for mem in memories],
                          max_param_diff=max(r["diff"][schedule] for r in results)))
     return rows
 
 
 def _parse_args(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per implementation per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation first")
     parser.add_argument("--batch", type=int, default=1024, help="rows per step (the whole pipeline's batch)")
