@@ -34,7 +34,28 @@ def reference(steps: int = STEPS):
     return model.state_dict(), losses
 
 
+class _CountSends:
+    """Stands in for comm.isend on a rank: counts sends started and not yet waited on (each holds
+    its tensor), and the most at once."""
+
+    def __init__(self, isend):
+        self.isend, self.open, self.most = isend, 0, 0
+
+    def __call__(self, *args, **kwargs):
+        handle, counter = self.isend(*args, **kwargs), self
+        self.open += 1
+        self.most = max(self.most, self.open)
+
+        class Counted:
+            def wait(self):
+                counter.open -= 1
+                return handle.wait()
+        return Counted()
+
+
 def _train(topo, stages, schedule, m):
+    import paratrain.comm
+    sends = paratrain.comm.isend = _CountSends(paratrain.comm.isend)  # this rank's process only
     strategy = Pipeline(stages=stages, schedule=schedule, microbatches=m)
     model = chain()
     stage = strategy.wrap(model, topo)
@@ -47,8 +68,9 @@ def _train(topo, stages, schedule, m):
         losses.append(strategy.forward_backward(stage, x, y, F.cross_entropy, 1.0).item())
         opt.step()
         opt.zero_grad()
+    paratrain.comm.isend = sends.isend
     return dict(state=stage.module.state_dict(), losses=losses, events=stage.gather_events(),
-                replica=index)
+                replica=index, most_sends=sends.most)
 
 
 def _sweep(topo, stages, settings):
@@ -104,6 +126,19 @@ def test_bubble_and_activations_in_flight_from_recorded_events(sweeps, key):
         else:  # stage s holds its warm-up plus one: p - s, never more than p
             assert peak == {s: min(p - s, m) for s in range(p)}
         assert 0 <= idle_fraction(events) < 1  # the measured (noisy) bubble is a fraction too
+
+
+@pytest.mark.parametrize("key", list(SWEEPS))
+def test_a_stage_holds_one_message_per_neighbour_not_one_per_microbatch(sweeps, key):
+    """Sends keep their tensors until waited on: each stage waits for its previous send to a
+    neighbour before the next, so it holds at most one activation (with its shape header on the
+    first step) and one gradient, whatever m."""
+    world, p = key
+    for index, (schedule, m) in enumerate(SWEEPS[key]):
+        for rank, results in enumerate(sweeps[key]):
+            stage = rank % p
+            neighbours = (stage > 0) + (stage < p - 1)
+            assert results[index]["most_sends"] <= neighbours + (stage < p - 1), (schedule, m, rank)
 
 
 def _session(topo, stages, schedule, m, accumulate, clip):

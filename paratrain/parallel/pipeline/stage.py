@@ -95,7 +95,7 @@ class PipelineStage(nn.Module):
         self._loss_fn, self._scale = loss_fn, scale / m
         self._losses, self.events = [], []
         self._stash.clear()  # a step that raised may have left activations behind
-        self.links.begin(tuple(self._inputs[0].shape))
+        self.links.begin(tuple(self._inputs[0].shape), m)
 
     def finish_step(self) -> torch.Tensor:
         """Wait for this step's sends, average gradients over replicas (unless in no_sync), and
