@@ -42,3 +42,16 @@ def test_readme_ddp_table_is_the_benchmark_json():
         assert f"| {m['ours_ms']:.1f} | {m['torch_ms']:.1f} | {m['ratio']:.3f} |" in row
         assert m["ratio"] <= 1.05 and m["max_param_diff"] <= 1e-6
         assert m["ours_peak_mb"] <= m["torch_peak_mb"]
+
+
+def test_readme_pipeline_table_is_the_benchmark_json():
+    import json
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    bench = json.load(open(os.path.join(ROOT, "bench", "results", "pipeline.json")))
+    assert not bench["settings"]["quick"]
+    for r in bench["results"]:
+        row = (f"| {r['schedule']} | {r['microbatches']} | {r['ours_ms']:.1f} | {r['torch_ms']:.1f} | "
+               f"{r['ratio']:.3f} | {max(r['ours_peak_mb']):.1f} | {max(r['torch_peak_mb']):.1f} |")
+        assert row in readme
+        assert r["ratio"] <= 1.0 and r["max_param_diff"] == 0
