@@ -28,10 +28,12 @@ def check_optimizer_owns(optimizer: torch.optim.Optimizer, params) -> None:
 def rebuild_optimizer(optimizer: torch.optim.Optimizer,
                       groups: list[list[nn.Parameter]]) -> torch.optim.Optimizer:
     """A new optimizer of the same class whose param group i holds `groups[i]`, with the
-    hyperparameters of `optimizer`'s group i (empty groups are left out). Sharded and pipeline
-    strategies use it: the user made the optimizer for the whole model, a rank steps only its part."""
+    hyperparameters of `optimizer`'s group i. Sharded and pipeline strategies use it: the user
+    made the optimizer for the whole model, a rank steps only its part. A group may be empty (a
+    pipeline stage without that group's parameters): group i stays group i on every rank, so
+    schedulers and checkpoints see the user's groups."""
     param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": params}
-                    for group, params in zip(optimizer.param_groups, groups) if params]
+                    for group, params in zip(optimizer.param_groups, groups)]
     # the groups carry every hyperparameter; pass on only the defaults the constructor names
     # (AdamW's defaults hold `decoupled_weight_decay`, which its constructor does not take)
     accepted = inspect.signature(type(optimizer).__init__).parameters

@@ -68,7 +68,7 @@ class Pipeline(Strategy):
                        topology: Topology) -> torch.optim.Optimizer:
         """The user built `optimizer` from the whole model; this rank steps only its stage. So it
         is rebuilt: the same class and hyperparameters, each parameter group keeping only this
-        stage's parameters (groups left empty are dropped), state carried over."""
+        stage's parameters (possibly none), state carried over."""
         return stage_optimizer(optimizer, self.unwrap(model))
 
     def no_sync(self, model: PipelineStage) -> ContextManager:
