@@ -5,12 +5,15 @@ Every parameter is stored flattened to 1-D under "model/<name>" (its name in the
 model), every buffer as it is under "buffers/<name>", and every optimizer state tensor of a
 parameter's size under "optim/<name>/<key>", flattened the same way; scalar state (Adam's "step")
 is "optim/<name>/<key>", 0-d. Strategies that hold whole parameters (single, DDP, ZeRO 1-2 for
-parameters) give whole tensors, which torch.distributed.checkpoint writes once. Sharded holders
+parameters) give whole tensors, which torch.distributed.checkpoint writes once; a pipeline stage
+gives the whole tensors of its own layers (a stage's names are the model's), so the stages
+together write the model, and each reads back only its own. Sharded holders
 (ZeRO-1/2 optimizer state, ZeRO-3 parameters and state) give, for each parameter, the pieces of
 its flattened form that this rank's flat shard holds, as a ShardedTensor whose chunks are those
 pieces; no rank gathers anything. Loading builds the same view for the new layout and the
 checkpoint reader fills the pieces the new layout asks for from whatever was written: so a
-checkpoint loads under another world size and another strategy.
+checkpoint loads under another world size and another strategy. Every rank records the same
+name → shape map of the whole model (a pipeline stage gathers it from the other stages).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paratrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,12 @@ def model_layout(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[nn.Par
         whole = {}
     else:
         module = getattr(model, "module", model)
-        if getattr(model, "is_pipeline", False):
-            raise ConfigError("checkpoints of pipeline stages are not supported yet; save with "
-                              "another strategy")
         whole = {f"model/{n}": p.detach().view(-1) for n, p in module.named_parameters()}
         layouts = getattr(model, "optimizer_layouts", lambda: {})()  # ZeRO stages 1 and 2
     shapes = {n: s for layout in layouts.values() for n, _, s in layout.slots}
     shapes.update({n: p.shape for n, p in module.named_parameters()})
+    if hasattr(model, "model_shapes"):  # a pipeline stage holds some parameters of the model
+        shapes = model.model_shapes()
     whole.update({f"buffers/{n}": b for n, b in module.named_buffers()})
     return whole, layouts, shapes
 

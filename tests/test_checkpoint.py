@@ -13,6 +13,7 @@ import paratrain as pt
 from paratrain import checkpoint
 from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
 from models import make_batches, make_model
+from pipeline_models import chain
 
 GLOBAL_BATCH = 8
 
@@ -25,8 +26,10 @@ def _data():
 def _session(topo, strategy, name="tied"):
     if strategy == "zero3-units":
         strategy = pt.ZeRO(stage=3, wrap_policy=pt.WrapPolicy(module_classes=(torch.nn.Linear,)))
+    if strategy == "pipeline":  # 2 stages; at world 4, 2 stages × 2 replicas
+        strategy = pt.Pipeline(stages=2, schedule="1f1b", microbatches=2)
     session = pt.Session(strategy, topology=topo, progress_bar=False, seed=3)
-    model = make_model(name)
+    model = chain() if name == "chain" else make_model(name)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     session.setup(model, optimizer, DataLoader(_data(), batch_size=GLOBAL_BATCH, shuffle=True))
     return session
@@ -46,36 +49,72 @@ def _train(session, steps):
     return session.full_state_dict()
 
 
-def _train_and_save(topo, strategy, steps, path):
-    session = _session(topo, strategy)
+def _train_and_save(topo, strategy, steps, path, name="tied"):
+    session = _session(topo, strategy, name)
     _train(session, steps)
     session.save(path)
     return True
 
 
-def _load_and_train(topo, strategy, steps, path):
-    session = _session(topo, strategy)
+def _load_and_train(topo, strategy, steps, path, name="tied"):
+    session = _session(topo, strategy, name)
     session.load(path)
     return _train(session, steps)
 
 
-def _uninterrupted(topo, strategy, steps):
-    return _train(_session(topo, strategy), steps)
+def _uninterrupted(topo, strategy, steps, name="tied"):
+    return _train(_session(topo, strategy, name), steps)
 
 
-@pytest.mark.parametrize("saver,loader", [
-    (("ddp", 4), ("zero3-units", 2)),
-    (("zero3-units", 2), ("single", 1)),
-    (("zero1", 2), ("zero2", 4)),
-    (("zero2", 4), ("ddp", 2)),
+@pytest.mark.parametrize("saver,loader,name", [
+    (("ddp", 4), ("zero3-units", 2), "tied"),
+    (("zero3-units", 2), ("single", 1), "tied"),
+    (("zero1", 2), ("zero2", 4), "tied"),
+    (("zero2", 4), ("ddp", 2), "tied"),
+    (("pipeline", 2), ("ddp", 2), "chain"),  # each stage writes its own layers
+    (("ddp", 2), ("pipeline", 4), "chain"),  # each stage of each replica reads its own
+    (("pipeline", 4), ("single", 1), "chain"),
 ])
-def test_a_checkpoint_loads_under_another_world_size_and_strategy(tmp_path, saver, loader):
+def test_a_checkpoint_loads_under_another_world_size_and_strategy(tmp_path, saver, loader, name):
     path = str(tmp_path / "ckpt")
-    run_on_ranks(_train_and_save, saver[1], saver[0], 3, path)
-    resumed = run_on_ranks(_load_and_train, loader[1], loader[0], 2, path)
-    expected = run_on_ranks(_uninterrupted, 1, "single", 5)[0]
+    run_on_ranks(_train_and_save, saver[1], saver[0], 3, path, name)
+    resumed = run_on_ranks(_load_and_train, loader[1], loader[0], 2, path, name)
+    expected = run_on_ranks(_uninterrupted, 1, "single", 5, name)[0]
     for state in resumed:
         assert_same_params(state, expected, atol=1e-6)
+
+
+def _two_groups(model):
+    """SGD with the first layer in a group of its own: on 2 stages, stage 1 holds none of it."""
+    first = list(model[0].parameters())
+    rest = [p for layer in list(model)[1:] for p in layer.parameters()]
+    return torch.optim.SGD([{"params": first, "lr": 0.05}, {"params": rest, "lr": 0.1}], momentum=0.9)
+
+
+def _groups_on_stages(topo, path):
+    session = pt.Session(pt.Pipeline(stages=2, microbatches=2), topology=topo, progress_bar=False)
+    model = chain()
+    _, optimizer, _ = session.setup(model, _two_groups(model), DataLoader(_data(), batch_size=GLOBAL_BATCH))
+    _train(session, 1)
+    for group, lr in zip(optimizer.param_groups, (0.01, 0.02)):  # where a scheduler would have got
+        group["lr"] = lr
+    session.save(path)
+    return [(len(g["params"]), g["lr"]) for g in optimizer.param_groups]
+
+
+def _load_groups(topo, path):
+    session = pt.Session("single", topology=topo, progress_bar=False)
+    model = chain()
+    _, optimizer = session.setup(model, _two_groups(model))
+    session.load(path)
+    return [g["lr"] for g in optimizer.param_groups]
+
+
+def test_a_pipeline_stage_keeps_the_users_param_groups_even_empty_ones(tmp_path):
+    stage0, stage1 = run_on_ranks(_groups_on_stages, 2, str(tmp_path / "c"))
+    assert [n for n, _ in stage0] == [2, 4] and [n for n, _ in stage1] == [0, 4]
+    assert [lr for _, lr in stage1] == [0.01, 0.02]
+    assert run_on_ranks(_load_groups, 1, str(tmp_path / "c"))[0] == [0.01, 0.02]
 
 
 def _resume_exactly(topo, root, first, then):

@@ -12,7 +12,6 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 import paratrain as pt
 from paratrain.testing import RankFailure, run_on_ranks
 from models import make_batches, make_model
-from pipeline_models import chain
 
 XS, YS = make_batches(2, 4, seed=1)
 BATCH = (XS[0], YS[0])
@@ -163,12 +162,6 @@ def test_nan_check_off_lets_the_loss_through():
 # -- on ranks ----------------------------------------------------------------------------------------
 
 def _on_ranks(topo, case, path):
-    if case == "pipeline checkpoint":
-        session = pt.Session(pt.Pipeline(stages=2, microbatches=2), topology=topo, progress_bar=False)
-        model = chain()
-        session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        session.save(path)
-        return
     session = pt.Session("ddp", topology=topo, progress_bar=False)
     model = make_model("mlp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -186,7 +179,6 @@ def _on_ranks(topo, case, path):
                                      "data-parallel replicas; use a batch size of 2"),
     ("nan on one rank", "rank 1 raised:(.|\\n)*UsageError: the loss is nan at optimizer step 0 "
                         "\\(micro-batch 0, epoch 0\\) on rank 1"),
-    ("pipeline checkpoint", "ConfigError: checkpoints of pipeline stages are not supported yet"),
 ])
 def test_misuse_on_ranks(case, message, tmp_path):
     with pytest.raises(RankFailure, match=message):

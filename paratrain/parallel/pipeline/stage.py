@@ -44,7 +44,7 @@ class PipelineStage(nn.Module):
     device: where this stage's layers, activations and gradients live.
     """
 
-    is_pipeline = True  # holds one stage, not the model (checkpoints refuse it for now)
+    is_pipeline = True  # holds one stage, not the model (Session refuses weight= for now)
 
     def __init__(self, module: nn.Module, *, stage: int, stages: int, schedule: Schedule,
                  microbatches: int, pipe_group: dist.ProcessGroup | None,
@@ -185,6 +185,25 @@ class PipelineStage(nn.Module):
 
     def gather_events(self) -> list[Event]:
         """Every stage's events of the last step, on every rank of the pipeline (collective)."""
+        return [e for events in self._from_every_stage(self.events) for e in events]
+
+    # -- the whole model, seen from one stage --------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict with its own keys (a stage's keys are the model's), on
+        every rank of the pipeline, on CPU (collective over the pipeline)."""
+        mine = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        return {k: v for part in self._from_every_stage(mine) for k, v in part.items()}
+
+    def model_shapes(self) -> dict[str, torch.Size]:
+        """Name → shape of every parameter of the whole model, in stage order (collective over
+        the pipeline the first time): what a checkpoint records to recognise its model."""
+        if not hasattr(self, "_model_shapes"):
+            mine = {n: p.shape for n, p in self.module.named_parameters()}
+            self._model_shapes = {n: s for part in self._from_every_stage(mine) for n, s in part.items()}
+        return self._model_shapes
+
+    def _from_every_stage(self, obj: Any) -> list[Any]:
         everyone: list[Any] = [None] * self.stages
-        dist.all_gather_object(everyone, self.events, group=self.pipe_group)
-        return [e for events in everyone for e in events]
+        dist.all_gather_object(everyone, obj, group=self.pipe_group)
+        return everyone
