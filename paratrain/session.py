@@ -43,6 +43,7 @@ from paratrain.errors import ConfigError, UsageError
 from paratrain.metrics import MetricsLogger
 from paratrain.parallel.shard import full_state_dict
 from paratrain.precision import GradScaler, autocast_dtype
+from paratrain.resume import check_registrable, restore_session, session_state
 from paratrain.strategy import Strategy, resolve
 from paratrain.topology import NodeGroups, Topology, destroy, node_groups
 
@@ -97,6 +98,7 @@ class Session:
         self.micro_step = 0  # micro-batches seen; an optimizer step every `accumulate`
         self.last_loss: torch.Tensor | None = None
         self.samples_per_second = 0.0  # global throughput of the last progress() loop
+        self.registered: dict[str, Any] = {}  # name → object whose state checkpoints carry
         self._node_groups: NodeGroups | None = None  # built on first use (contrastive gathers)
         torch.manual_seed(seed)
 
@@ -332,30 +334,25 @@ class Session:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
+    def register(self, **objects: Any) -> None:
+        """Save these objects' `state_dict()` with every checkpoint and load it back, under their
+        names: `session.register(scheduler=scheduler)`. Anything with state_dict() and
+        load_state_dict() whose state is JSON: LR schedulers, counters of your own."""
+        for name, obj in objects.items():
+            check_registrable(name, obj)
+        self.registered.update(objects)
+
     def save(self, path: str | os.PathLike) -> Path:
-        """Save model, optimizer, epoch and micro-step, the sampler's position and every rank's RNG
-        states to `path` (checkpoint.py: sharded, atomic). A collective: every rank calls it."""
-        rng = checkpoint.rng_state()
-        if self.loader is not None:
-            rng["loader"] = self.loader.generator.get_state()
-        return checkpoint.save(path, self._require_model(), self.optimizer, state=self._position(),
-                               rng=rng)
+        """Save model, optimizer, epoch and micro-step, the sampler's position, registered objects
+        and every rank's RNG states to `path` (checkpoint.py: sharded, atomic; resume.py: what the
+        session adds). A collective: every rank calls it."""
+        state, rng = session_state(self)
+        return checkpoint.save(path, self._require_model(), self.optimizer, state=state, rng=rng)
 
     def load(self, path: str | os.PathLike) -> None:
         """Load a checkpoint written by `save` under any strategy and world size; training then
         continues exactly where it stopped (RNG states too, when the world size is the same)."""
-        loaded = checkpoint.load(path, self._require_model(), self.optimizer)
-        state = loaded["state"]
-        self.epoch, self.micro_step = state.get("epoch", 0), state.get("micro_step", 0)
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        sampler = getattr(self.loader, "sampler", None)
-        if state.get("sampler") and hasattr(sampler, "load_state_dict"):
-            sampler.load_state_dict(state["sampler"])
-        if loaded["rng"]:
-            checkpoint.set_rng_state(loaded["rng"])
-            if "loader" in loaded["rng"] and self.loader is not None:
-                self.loader.generator.set_state(loaded["rng"]["loader"])
+        restore_session(self, checkpoint.load(path, self._require_model(), self.optimizer), path)
 
     def checkpoint(self, root: str | os.PathLike, keep: int = 3) -> Path:
         """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there."""
@@ -374,12 +371,6 @@ class Session:
         """The whole model as one `.safetensors` file for inference (gathered from every rank,
         written by rank 0). A collective."""
         return checkpoint.export_safetensors(path, self.full_state_dict())
-
-    def _position(self) -> dict:
-        sampler = getattr(self.loader, "sampler", None)
-        return {"epoch": self.epoch, "micro_step": self.micro_step, "strategy": self.strategy.name,
-                "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     # -- end ---------------------------------------------------------------------------------------
 

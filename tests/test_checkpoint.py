@@ -117,6 +117,32 @@ def test_a_pipeline_stage_keeps_the_users_param_groups_even_empty_ones(tmp_path)
     assert run_on_ranks(_load_groups, 1, str(tmp_path / "c"))[0] == [0.01, 0.02]
 
 
+def _with_scheduler(topo, steps, path, load):
+    """DDP with a StepLR that halves the learning rate every 2 steps, registered with the session."""
+    session = _session(topo, "ddp")
+    scheduler = torch.optim.lr_scheduler.StepLR(session.optimizer, step_size=2, gamma=0.5)
+    session.register(scheduler=scheduler)
+    if load:
+        session.load(path)
+    for _ in range(steps):
+        _train(session, 1)
+        scheduler.step()
+    if not load:
+        session.save(path)
+    return session.full_state_dict(), scheduler.get_last_lr()
+
+
+def test_a_registered_scheduler_resumes_where_it_was(tmp_path):
+    """Without its state the new StepLR would count from 0 and halve at other steps."""
+    path = str(tmp_path / "c")
+    run_on_ranks(_with_scheduler, 2, 3, path, False)
+    resumed = run_on_ranks(_with_scheduler, 2, 2, path, True)
+    expected = run_on_ranks(_with_scheduler, 2, 5, str(tmp_path / "straight"), False)[0]
+    for state, lrs in resumed:
+        assert_same_params(state, expected[0], atol=1e-6)
+        assert lrs == expected[1] == [1e-3 / 4]
+
+
 def _resume_exactly(topo, root, first, then):
     """`first` steps, a checkpoint, `then` more; and a fresh session resuming from it."""
     session = _session(topo, "ddp", name="dropout")  # dropout: the RNG states must resume too

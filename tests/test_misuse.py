@@ -79,6 +79,31 @@ def _zero_without_optimizer(session, tmp_path):
     _setup(session, with_optimizer=False)
 
 
+def _register_without_state(session, tmp_path):
+    session.register(epochs=10)
+
+
+class _Opaque:
+    def state_dict(self):
+        return {"fn": print}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _register_state_that_is_not_json(session, tmp_path):
+    _setup(session)
+    session.register(opaque=_Opaque())
+    session.save(tmp_path / "c")
+
+
+def _load_without_a_registered_object(session, tmp_path):
+    _, optimizer = _setup(session)
+    session.save(tmp_path / "c")
+    session.register(scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1))
+    session.load(tmp_path / "c")
+
+
 SESSION_CASES = [  # (case, Session arguments, what the user does, error, message)
     ("setup twice", {}, _setup_twice, pt.UsageError, "setup\\(\\) was already called"),
     ("loader without batch_size", {}, _loader_without_batch_size, pt.ConfigError,
@@ -93,6 +118,12 @@ SESSION_CASES = [  # (case, Session arguments, what the user does, error, messag
     ("log without log_dir", {}, _log_without_log_dir, pt.UsageError, "Session\\(log_dir=...\\)"),
     ("zero3 without optimizer", dict(strategy="zero3"), _zero_without_optimizer, pt.ConfigError,
      "zero3 shards the optimizer: pass it"),
+    ("register without state", {}, _register_without_state, pt.UsageError,
+     "register\\(epochs=...\\) takes objects with state_dict\\(\\) and load_state_dict\\(\\).*got int"),
+    ("registered state not JSON", {}, _register_state_that_is_not_json, pt.ConfigError,
+     "state_dict\\(\\) of registered object 'opaque' is not JSON"),
+    ("registered after save", {}, _load_without_a_registered_object, pt.ConfigError,
+     "holds no state for registered object\\(s\\) \\['scheduler'\\]: it was saved before"),
 ]
 
 

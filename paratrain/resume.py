@@ -1,0 +1,76 @@
+"""What a Session adds to a checkpoint, so that a loaded run goes on exactly where it stopped.
+
+checkpoint.py stores model and optimizer in the canonical layout; a session also needs its place
+in the data and its randomness:
+
+    epoch, micro_step      where the loop is (micro-batches seen; a step every `accumulate`)
+    sampler                the DistributedSampler's position inside the epoch
+    scaler                 fp16's loss scale and its growth counter
+    objects                the state_dict() of each object passed to `session.register(name=obj)`
+                           (LR schedulers, counters of your own), JSON, under its name
+    rng                    every rank's torch/CUDA/Python/NumPy states and the loader's generator
+
+All but `rng` are JSON in the checkpoint's metadata, the same on every rank. RNG states are
+restored only under the world size that saved them (another world draws other streams anyway).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from paratrain import checkpoint
+from paratrain.errors import ConfigError, UsageError
+
+if TYPE_CHECKING:
+    from paratrain.session import Session
+
+
+def check_registrable(name: str, obj: Any) -> None:
+    """Refuse an object whose state a checkpoint could not save or load back."""
+    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        raise UsageError(f"session.register({name}=...) takes objects with state_dict() and "
+                         f"load_state_dict(), such as an LR scheduler; got {type(obj).__name__}")
+
+
+def session_state(session: "Session") -> tuple[dict, dict]:
+    """(JSON state, this rank's RNG tensors) of `session` for checkpoint.save."""
+    sampler = getattr(session.loader, "sampler", None)
+    objects = {}
+    for name, obj in session.registered.items():
+        objects[name] = obj.state_dict()
+        try:
+            json.dumps(objects[name])
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"the state_dict() of registered object {name!r} is not JSON ({e}); "
+                              "checkpoints store JSON, never pickles: register only objects whose "
+                              "state is numbers, strings, lists and dicts") from None
+    state = {"epoch": session.epoch, "micro_step": session.micro_step, "strategy": session.strategy.name,
+             "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
+             "scaler": session.scaler.state_dict() if session.scaler is not None else None,
+             "objects": objects}
+    rng = checkpoint.rng_state()
+    if session.loader is not None:
+        rng["loader"] = session.loader.generator.get_state()
+    return state, rng
+
+
+def restore_session(session: "Session", loaded: dict, path: Any) -> None:
+    """Put the state checkpoint.load returned back into `session` and its registered objects."""
+    state = loaded["state"]
+    missing = sorted(session.registered.keys() - state.get("objects", {}).keys())
+    if missing:
+        raise ConfigError(f"checkpoint {path} holds no state for registered object(s) {missing}: it was "
+                          "saved before they were registered; load it first, then register them")
+    session.epoch, session.micro_step = state.get("epoch", 0), state.get("micro_step", 0)
+    if session.scaler is not None and state.get("scaler"):
+        session.scaler.load_state_dict(state["scaler"])
+    sampler = getattr(session.loader, "sampler", None)
+    if state.get("sampler") and hasattr(sampler, "load_state_dict"):
+        sampler.load_state_dict(state["sampler"])
+    for name, obj in session.registered.items():
+        obj.load_state_dict(state["objects"][name])
+    if loaded["rng"]:
+        checkpoint.set_rng_state(loaded["rng"])
+        if "loader" in loaded["rng"] and session.loader is not None:
+            session.loader.generator.set_state(loaded["rng"]["loader"])
