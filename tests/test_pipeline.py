@@ -183,6 +183,37 @@ def test_session_trains_a_pipeline_like_one_process():
             assert_same_params(_merged(results, replica), _session_reference(accumulate, clip), atol=1e-5)
 
 
+def _infer(topo, stages, m):
+    """One training step, then inference forwards of uneven sizes, then a forward with grad on."""
+    strategy = Pipeline(stages=stages, microbatches=m)
+    model = chain()
+    stage = strategy.wrap(model, topo)
+    opt = strategy.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), stage, topo)
+    replicas, index = strategy.data_parallel(topo)
+    xs, ys = batches(1)
+    strategy.forward_backward(stage, xs[0].chunk(replicas)[index], ys[0].chunk(replicas)[index],
+                              F.cross_entropy, 1.0)
+    opt.step()
+    stage.eval()
+    with torch.no_grad():  # 10 rows in m micro-batches that need not divide them, then 7
+        outputs = [stage(xs[0][:10]), stage(xs[0][:7])]
+    with pytest.raises(pt.UsageError, match="under torch.no_grad"):
+        stage(xs[0])
+    return outputs
+
+
+@pytest.mark.parametrize("world,stages,m", [(2, 2, 4), (4, 4, 3), (4, 2, 4)])
+def test_inference_forward_gives_the_models_output_on_every_rank(world, stages, m):
+    model = chain()
+    model.load_state_dict(reference(steps=1)[0])
+    x = batches(1)[0][0]
+    with torch.no_grad():
+        expected = [model(x[:10]), model(x[:7])]
+    for outputs in run_on_ranks(_infer, world, stages, m):
+        for out, exp in zip(outputs, expected):
+            torch.testing.assert_close(out, exp, atol=1e-6, rtol=0)
+
+
 def test_timeline_picture_is_a_png(tmp_path):
     events = replay(_fake_events(3, 4))
     draw({"GPipe": events}, str(tmp_path / "t.png"), unit="forward times")
@@ -210,6 +241,24 @@ def test_microbatches_must_divide_the_batch():
                           pipe_group=None, dp_group=None, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="4 micro-batches do not divide this stage's batch of 6"):
         stage.forward_backward(torch.randn(6, 12), torch.zeros(6, dtype=torch.long), F.cross_entropy)
+
+
+@pytest.mark.parametrize("batch,drop_last,message", [
+    (6, False, "cuts each replica's batch into 4 equal micro-batches, but each replica reads batches of 6"),
+    (8, False, "the last batch of each epoch holds 6 samples per replica.*drop_last=True"),
+    (8, True, None),  # 30 samples: 3 full batches of 8, the 6 left are dropped
+])
+def test_setup_refuses_a_loader_whose_batches_do_not_cut_into_microbatches(batch, drop_last, message):
+    with pt.Session(Pipeline(stages=1, microbatches=4), progress_bar=False) as session:
+        model = chain()
+        data = TensorDataset(torch.randn(30, 12), torch.randint(0, 5, (30,)))
+        loader = DataLoader(data, batch_size=batch, drop_last=drop_last)
+        if message is None:
+            _, _, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+            assert [len(x) for x, _ in loader] == [8, 8, 8]
+        else:
+            with pytest.raises(ConfigError, match=message):
+                session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
 
 
 def test_stages_must_divide_the_world():

@@ -84,9 +84,7 @@ class StageLinks:
             return None
         if self._key not in self._in_shapes:  # see [Note: shapes agreed once]
             header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-            comm.recv(header, self.stage - 1, self.group)
-            ndim, code = int(header[0]), int(header[1])
-            self._in_shapes[self._key] = (torch.Size(header[2:2 + ndim].tolist()), _DTYPES[code])
+            self._in_shapes[self._key] = _shape_of(comm.recv(header, self.stage - 1, self.group))
         shape, dtype = self._in_shapes[self._key]
         return comm.recv(torch.empty(shape, dtype=dtype, device=self.device), self.stage - 1, self.group)
 
@@ -154,6 +152,22 @@ class StageLinks:
         g = torch.empty(self._out[0], dtype=self._out[1], device=self.device)
         self._next_grad = (g, comm.irecv(g, self.stage + 1, self.group))
         self._grads_left -= 1
+
+
+def broadcast_output(y: torch.Tensor | None, src: int, group: dist.ProcessGroup | None,
+                     device: torch.device) -> torch.Tensor:
+    """Stage `src`'s tensor `y` (None on the other stages) on every rank of the pipeline
+    `group`: its header first, so the others can allocate, then its data."""
+    if dist.get_rank(group) == src:
+        comm.broadcast(_header(y, device), src, group)
+        return comm.broadcast(y.contiguous(), src, group)
+    shape, dtype = _shape_of(comm.broadcast(torch.zeros(_HEADER, dtype=torch.int64, device=device), src, group))
+    return comm.broadcast(torch.empty(shape, dtype=dtype, device=device), src, group)
+
+
+def _shape_of(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    ndim, code = int(header[0]), int(header[1])
+    return torch.Size(header[2:2 + ndim].tolist()), _DTYPES[code]
 
 
 def _header(y: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch import nn
 
 from paratrain import comm
 from paratrain.errors import ConfigError, UsageError
-from paratrain.parallel.pipeline.p2p import StageLinks
+from paratrain.parallel.pipeline.p2p import StageLinks, broadcast_output
 from paratrain.parallel.pipeline.timeline import Event, Kind
 
 Schedule = Callable[["PipelineStage", int], None]
@@ -62,10 +62,28 @@ class PipelineStage(nn.Module):
         self._targets: tuple[torch.Tensor, ...] = ()
         self._losses: list[torch.Tensor] = []
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise UsageError("a pipeline stage runs forward and backward together, micro-batch by "
-                         "micro-batch: call session.train_step(batch, loss_fn), or "
-                         "stage.forward_backward(inputs, targets, loss_fn)")
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Inference: `inputs` through every stage, micro-batch by micro-batch, forward only;
+        returns the whole model's output on every rank of the pipeline (broadcast from the last
+        stage), so an evaluation loop runs unchanged on every rank. Every stage passes the same
+        inputs, as in training. Call it under torch.no_grad(): training runs forward and backward
+        together (session.train_step). Micro-batches need not divide the batch here."""
+        if torch.is_grad_enabled():
+            raise UsageError("a pipeline stage's forward is for inference: call it under "
+                             "torch.no_grad(); to train, call session.train_step(batch, loss_fn), "
+                             "which runs forward and backward together, micro-batch by micro-batch")
+        if not torch.is_tensor(inputs):
+            raise UsageError(f"a pipeline forward takes one tensor of inputs; got {type(inputs).__name__}")
+        links, outputs = self.links, []
+        for x in inputs.chunk(self.microbatches):  # the last may be shorter: its own shape key
+            links.begin(tuple(x.shape), 0)  # no gradients to receive
+            y = self.module(x if links.is_first else links.recv_forward())
+            self._check_output(y)
+            links.send_forward(y)
+            outputs.append(y)
+        links.wait_sends()
+        return broadcast_output(torch.cat(outputs) if links.is_last else None, self.stages - 1,
+                                self.pipe_group, links.device)
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -124,9 +142,8 @@ class PipelineStage(nn.Module):
         if self.links.is_last:
             y = self._loss_fn(y, self._targets[i])
             self._losses.append(y.detach())
-        elif not torch.is_tensor(y):
-            raise UsageError(f"stage {self.stage} returned {type(y).__name__}; a stage before the "
-                             "last must return one tensor, the activation for the next stage")
+        else:
+            self._check_output(y)
         self._stash[i] = (x, y)
         self._record(Kind.FORWARD, i, start)
         return y
@@ -143,6 +160,11 @@ class PipelineStage(nn.Module):
         dx = None if self.links.is_first else x.grad
         self._record(Kind.BACKWARD, i, start)
         return dx
+
+    def _check_output(self, y: Any) -> None:
+        if not torch.is_tensor(y):
+            raise UsageError(f"stage {self.stage} returned {type(y).__name__}; a stage must return one "
+                             "tensor (before the last: the activation for the next stage)")
 
     def _record(self, kind: Kind, i: int, start: float) -> None:
         self.events.append(Event(self.stage, kind, i, start, time.perf_counter(), len(self._stash)))
