@@ -1,7 +1,8 @@
 """Train a small CNN on scikit-learn's bundled digits (1797 images of 8×8 pixels, 10 classes).
 
-    paratrain run -n 2 examples/digits.py --strategy ddp     # two processes, our DDP
-    python examples/digits.py --strategy single              # one process, the reference
+    paratrain run -n 2 examples/digits.py --strategy ddp       # two processes, our DDP
+    paratrain run -n 2 examples/digits.py --strategy pipeline  # two stages, 1F1B, 4 micro-batches
+    python examples/digits.py --strategy single                # one process, the reference
 
 The loop is a single-device loop; `pt.Session` makes it distributed. At the end rank 0 prints
 `test accuracy: …` and the throughput, and writes `metrics.csv` and `loss.png` to `--out`.
@@ -22,19 +23,15 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain as pt
 
 
-class Net(nn.Module):
-    def __init__(self, classes: int = 10):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),   # (B, 32, 8, 8)
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),  # (B, 64, 8, 8)
-            nn.MaxPool2d(2),                             # (B, 64, 4, 4)
-        )
-        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.25), nn.Linear(64 * 4 * 4, 128),
-                                  nn.ReLU(), nn.Linear(128, classes))
-
-    def forward(self, x):  # x: (B, 1, 8, 8)
-        return self.head(self.features(x))
+def net(classes: int = 10) -> nn.Sequential:
+    """A small CNN, one layer after another: an nn.Sequential, so the pipeline can cut it too."""
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),   # (B, 32, 8, 8)
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),  # (B, 64, 8, 8)
+        nn.MaxPool2d(2),                             # (B, 64, 4, 4)
+        nn.Flatten(), nn.Dropout(0.25), nn.Linear(64 * 4 * 4, 128),
+        nn.ReLU(), nn.Linear(128, classes),
+    )
 
 
 def digits(seed: int, test_fraction: float = 0.2) -> tuple[TensorDataset, TensorDataset]:
@@ -81,7 +78,7 @@ def save_results(out: str, rows: list[dict], losses: list[float]) -> None:
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="ddp", help="single | ddp | zero1 | zero2 | zero3")
+    parser.add_argument("--strategy", default="ddp", help="single | ddp | zero1 | zero2 | zero3 | pipeline")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, over all ranks")
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -91,9 +88,11 @@ def main(argv: list[str] | None = None) -> float:
 
     session = pt.Session(strategy=args.strategy, seed=args.seed)
     train, test = digits(args.seed)
-    model = Net()
+    model = net()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True)
+    # drop_last: every step sees a full batch (the pipeline's micro-batches must divide it);
+    # the 30 samples left out change with each epoch's shuffle
+    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True)
     model, optimizer, loader = session.setup(model, optimizer, loader)
 
     rows, losses, start = [], [], time.perf_counter()

@@ -153,8 +153,10 @@ class Session:
     def shard_loader(self, loader: DataLoader) -> DataLoader:
         """The same loader, reading this replica's share: batch_size/replicas per step."""
         replicas, index = self.strategy.data_parallel(self.topology)
-        return shard_loader(loader, replicas=replicas, index=index, seed=self.seed, rank=self.rank,
-                            pin_memory=self.device.type == "cuda")
+        sharded = shard_loader(loader, replicas=replicas, index=index, seed=self.seed, rank=self.rank,
+                               pin_memory=self.device.type == "cuda")
+        self.strategy.check_loader(sharded)
+        return sharded
 
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
         """The user's own model inside the strategy's wrapper (for evaluation, export). Under

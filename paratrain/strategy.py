@@ -12,7 +12,9 @@ which one it holds:
 - `clip_grad_norm(model, max_norm)`: clip by the global norm (sharded strategies reduce it);
 - `local_grads(model)`: the gradients this rank holds after backward and the group holding the
   rest (the fp16 grad scaler's inf check and the token normalisation work on these);
-- `data_parallel(topology)`: (replicas, this replica's index) — how the data is sharded.
+- `data_parallel(topology)`: (replicas, this replica's index) — how the data is sharded;
+- `check_loader(loader)`: refuse, at setup, a sharded loader whose batches the strategy cannot
+  take (the pipeline's micro-batches must divide every batch, the epoch's last included).
 
 String shortcuts name the default instance of each (`"ddp"` is `DDP()`).
 """
@@ -78,6 +80,9 @@ class Strategy:
 
     def data_parallel(self, topology: Topology) -> tuple[int, int]:
         return topology.world_size, topology.rank
+
+    def check_loader(self, loader: Any) -> None:
+        pass
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model)

@@ -6,12 +6,15 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_digits_demo_with_two_ranks_reaches_095(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "pipeline"])  # pipeline: 2 stages, its forward evaluates
+def test_digits_demo_with_two_ranks_reaches_095(tmp_path, strategy):
     cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "examples/digits.py",
-           "--strategy", "ddp", "--out", str(tmp_path)]
+           "--strategy", strategy, "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     accuracy = float(re.search(r"^test accuracy: (0\.\d+)$", done.stdout, re.M).group(1))

@@ -100,6 +100,22 @@ class Pipeline(Strategy):
                               f"{[d for d in range(1, topology.world_size + 1) if topology.world_size % d == 0]}")
         return topology.world_size // self.stages, topology.rank // self.stages
 
+    def check_loader(self, loader: Any) -> None:
+        """Fail at setup, not at the end of the first epoch: every batch a replica reads (the
+        epoch's last one too, unless the loader drops it) must cut into equal micro-batches."""
+        batch, m = loader.batch_size, self.microbatches
+        if batch % m:
+            raise ConfigError(f"Pipeline(microbatches={m}) cuts each replica's batch into {m} equal "
+                              f"micro-batches, but each replica reads batches of {batch}: make the "
+                              f"loader's batch size a multiple of {m} × the replicas, or change microbatches")
+        samples = len(loader.sampler) if hasattr(loader.sampler, "__len__") else None
+        last = samples % batch if samples is not None and not loader.drop_last else 0
+        if last % m:
+            raise ConfigError(f"the last batch of each epoch holds {last} samples per replica, which "
+                              f"Pipeline(microbatches={m}) cannot cut into {m} equal micro-batches: "
+                              "pass DataLoader(..., drop_last=True), or a batch size that divides "
+                              "the dataset")
+
     def _cut(self, model: nn.Module) -> list[nn.Module]:
         costs = None  # one per layer; None: every layer costs 1
         if isinstance(model, nn.Sequential) and self.balance != "layers":
