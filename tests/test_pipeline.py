@@ -214,6 +214,31 @@ def test_inference_forward_gives_the_models_output_on_every_rank(world, stages, 
             torch.testing.assert_close(out, exp, atol=1e-6, rtol=0)
 
 
+def _batchnorm_replicas(topo):
+    """2 stages × 2 replicas of a chain with BatchNorm; replicas see different data."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16),
+                          nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 5))
+    strategy = Pipeline(stages=2, microbatches=2)
+    stage = strategy.wrap(model, topo)
+    opt = strategy.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage, topo)
+    replicas, index = strategy.data_parallel(topo)
+    xs, ys = batches()
+    for x, y in zip(xs, ys):
+        strategy.forward_backward(stage, x.chunk(replicas)[index], y.chunk(replicas)[index], F.cross_entropy, 1.0)
+        opt.step()
+        opt.zero_grad()
+    stage.eval()
+    with torch.no_grad():
+        return stage(xs[0])
+
+
+def test_replicas_take_replica_0s_batchnorm_statistics_so_every_rank_evaluates_alike():
+    outputs = run_on_ranks(_batchnorm_replicas, 4)
+    for out in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0], atol=0, rtol=0)
+
+
 def test_timeline_picture_is_a_png(tmp_path):
     events = replay(_fake_events(3, 4))
     draw({"GPipe": events}, str(tmp_path / "t.png"), unit="forward times")
@@ -259,6 +284,17 @@ def test_setup_refuses_a_loader_whose_batches_do_not_cut_into_microbatches(batch
         else:
             with pytest.raises(ConfigError, match=message):
                 session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+
+
+def _tied_across_stages(topo):
+    model = chain()  # 2 stages by layers: layers 0-4 and 5-8
+    model[6].weight = model[2].weight  # Linear 16→16 on stage 1 shares stage 0's weight
+    Pipeline(stages=2).wrap(model, topo)
+
+
+def test_weights_tied_across_stages_are_refused():
+    with pytest.raises(RankFailure, match="parameter '2.weight' of stage 0 is tied to '6.weight' of stage 1"):
+        run_on_ranks(_tied_across_stages, 2, timeout=60)
 
 
 def test_stages_must_divide_the_world():

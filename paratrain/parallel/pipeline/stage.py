@@ -3,11 +3,11 @@
 A step is a lifecycle pair around a schedule (schedules.py):
 
     start_step(inputs, targets, loss_fn, scale)   cut the batch into micro-batches
-    schedule(stage, microbatches)                 stage.forward(i, x) / stage.backward(i, g) + p2p
+    schedule(stage, microbatches)                 stage.forward_one(i, x) / backward_one(i, g) + p2p
     finish_step() -> loss                         wait for sends, average gradients over replicas
 
-`forward(i, x)` runs the stage's layers on micro-batch i (the first stage takes its own slice of
-the batch; the last stage applies the loss) and keeps what backward needs; `backward(i, g)`
+`forward_one(i, x)` runs the stage's layers on micro-batch i (the first stage takes its own slice
+of the batch; the last stage applies the loss) and keeps what backward needs; `backward_one(i, g)`
 back-propagates `g` (on the last stage, the scaled loss) and returns the gradient of the stage's
 input for the previous stage. Each records an `Event` (timeline.py).
 
@@ -15,7 +15,12 @@ Gradients: micro-batch losses are scaled by 1/m, so m micro-batches of the mean 
 mean over the whole batch, exactly as one device computes it. With data parallelism, replicas of
 the same stage average their gradients once per step, after the schedule has flushed (as
 GPipe does, Huang et al. 2019, section 2.2): one all-reduce over the data-parallel group, skipped
-inside `no_sync()` so gradient accumulation communicates only on the last micro-step.
+inside `no_sync()` so gradient accumulation communicates only on the last micro-step. Buffers
+(BatchNorm statistics) go the other way, as in torch's DDP: replicas take replica 0's before the
+forward of each optimizer step and before inference.
+
+Inference is the module's own `forward(x)` under torch.no_grad(): every stage, forward only, the
+output broadcast to the whole pipeline.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class PipelineStage(nn.Module):
         self.pipe_group, self.dp_group = pipe_group, dp_group
         self.links = StageLinks(pipe_group, stage, stages, device)
         self.require_grad_sync = True  # False inside no_sync()
+        self._buffers_stale = True  # broadcast replica 0's buffers at the next forward (as DDP)
         self.events: list[Event] = []  # what this stage ran in the last step
         self._stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # i → (input, output)
         self._inputs: tuple[torch.Tensor, ...] = ()
@@ -74,6 +80,7 @@ class PipelineStage(nn.Module):
                              "which runs forward and backward together, micro-batch by micro-batch")
         if not torch.is_tensor(inputs):
             raise UsageError(f"a pipeline forward takes one tensor of inputs; got {type(inputs).__name__}")
+        self._sync_buffers()
         links, outputs = self.links, []
         for x in inputs.chunk(self.microbatches):  # the last may be shorter: its own shape key
             links.begin(tuple(x.shape), 0)  # no gradients to receive
@@ -113,6 +120,8 @@ class PipelineStage(nn.Module):
         self._loss_fn, self._scale = loss_fn, scale / m
         self._losses, self.events = [], []
         self._stash.clear()  # a step that raised may have left activations behind
+        self._sync_buffers()
+        self._buffers_stale = self.require_grad_sync  # the step after a no_sync() one skips it
         self.links.begin(tuple(self._inputs[0].shape), m)
 
     def finish_step(self) -> torch.Tensor:
@@ -179,6 +188,12 @@ class PipelineStage(nn.Module):
             yield
         finally:
             self.require_grad_sync = previous
+
+    def _sync_buffers(self) -> None:
+        """Replicas of a stage take replica 0's buffers (BatchNorm statistics) before a forward,
+        as torch's DDP does with rank 0's: once per optimizer step, and before inference."""
+        if self._buffers_stale and self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            comm.broadcast_coalesced(list(self.module.buffers()), self.dp_group)
 
     def sync_grads(self) -> None:
         """Average this stage's gradients over its replicas: one all-reduce per dtype. A

@@ -58,7 +58,9 @@ class Pipeline(Strategy):
         pipe_group, pipe_ranks = groups_along(grid, topology.rank, dim=1, timeout=topology.timeout_s)
         dp_group, _ = groups_along(grid, topology.rank, dim=0, timeout=topology.timeout_s)
         stage = pipe_ranks.index(topology.rank)
-        module = self._cut(model)[stage].to(topology.device)
+        pieces = self._cut(model)
+        _refuse_weights_tied_across_stages(pieces)
+        module = pieces[stage].to(topology.device)
         broadcast_coalesced([*module.parameters(), *module.buffers()], dp_group)
         return PipelineStage(module, stage=stage, stages=self.stages,
                              schedule=SCHEDULES[self.schedule], microbatches=self.microbatches,
@@ -123,6 +125,18 @@ class Pipeline(Strategy):
             if self.balance == "time":  # times differ between ranks, cuts must not: take rank 0's
                 costs = comm.broadcast_object(costs)
         return split_model(model, self.stages, costs=costs)
+
+
+def _refuse_weights_tied_across_stages(pieces: list[nn.Module]) -> None:
+    """A parameter held by two stages would be two copies, stepped apart: refuse it."""
+    owner: dict[int, tuple[int, str]] = {}
+    for index, piece in enumerate(pieces):
+        for name, p in piece.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), (index, name))
+            if first[0] != index:
+                raise ConfigError(f"parameter {first[1]!r} of stage {first[0]} is tied to {name!r} of "
+                                  f"stage {index}; weights tied across pipeline stages are not supported: "
+                                  "cut the model so both users are on one stage, or untie them")
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, stage: nn.Module) -> torch.optim.Optimizer:
