@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 
-
 @dataclass(frozen=True)
 class FlatLayout:
     """Which parameters a flat, sharded buffer holds, and which slice of it this rank owns."""

@@ -35,8 +35,9 @@ tensor until it is waited on, and gloo reports a send complete only once waited 
 new send to a neighbour the stage waits for its previous send to that neighbour (as torch's
 schedules do). In 1F1B that send has already left: the gradient this stage took before its
 forward was sent by the next stage just before it posted the receive for that activation. So at
-most one message per direction is held, not all m of a step; `wait_sends()` waits for the last ones at the end of the step. Every wait
-runs on the backend's own timeout for the group (no sleeping, no polling).
+most one message per direction is held, not all m of a step; `wait_sends()` waits for the last
+ones at the end of the step. Every wait runs on the backend's own timeout for the group (no
+sleeping, no polling).
 """
 
 from __future__ import annotations
