@@ -3,7 +3,7 @@ timing, peak-memory measurement on CPU, bytes held counted from tensors, and the
 
 The models, data, training step, `time_interleaved` and the memory readers run inside the ranks
 (started by `paratrain.testing.run_on_ranks`); `slowest_rank`, `summarize_times`, `print_table`
-and `write_json` in the launching process. Linux only: peak memory reads /proc and calls glibc's
+and `write_json`/`write_results` in the launching process. Linux only: peak memory reads /proc and calls glibc's
 mallopt.
 """
 
@@ -254,6 +254,16 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
 def write_json(path: str | os.PathLike, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def write_results(args: argparse.Namespace, settings: dict, load_before: tuple, **results) -> None:
+    """Write `settings` (with torch's version, --quick and the load averages before and after the
+    run) and `results` to `args.out` as JSON, and say so."""
+    load_after = os.getloadavg()
+    settings = dict(settings, torch=torch.__version__, quick=args.quick,
+                    load_average_before=load_before, load_average_after=load_after)
+    write_json(args.out, dict(settings=settings, **results))
+    print(f"wrote {args.out}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
 
 
 def bench_parser(doc: str, *, out_name: str, rounds: int, steps: int, warmup: int,

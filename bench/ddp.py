@@ -46,7 +46,7 @@ import paratrain as pt  # noqa: E402
 from common import (MODELS, SEQ, bench_parser, parse_bench_args, loss_of, make_batches, make_model, peak_rss_mb, print_table,  # noqa: E402
                     reset_peak_rss, return_freed_memory_to_os, rss_mb, summarize_times,
                     time_interleaved, train_step,
-                    write_json)
+                    write_results)
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, THREADS, LR, MEMORY_STEPS, DATA_BATCHES = 2, 1, 1e-3, 3, 4
@@ -123,12 +123,9 @@ def main(argv=None) -> None:
         models[name] = bench_model(name, args)
     settings = dict(world=WORLD, backend="gloo", rounds=args.rounds, steps=args.steps,
                     warmup=args.warmup, batch_per_rank=args.batch, threads_per_rank=THREADS,
-                    optimizer=f"SGD(lr={LR}, momentum=0.9)", memory_steps=MEMORY_STEPS,
-                    torch=torch.__version__, quick=args.quick,
-                    load_average_before=load_before, load_average_after=os.getloadavg())
-    write_json(args.out, dict(settings=settings, models=models))
+                    optimizer=f"SGD(lr={LR}, momentum=0.9)", memory_steps=MEMORY_STEPS)
     _report(models)
-    print(f"wrote {args.out}; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    write_results(args, settings, load_before, models=models)
 
 
 if __name__ == "__main__":

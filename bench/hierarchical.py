@@ -38,7 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
 import paratrain as pt  # noqa: E402
 from common import (MODELS, bench_parser, parse_bench_args, interleave, make_batches, make_model, print_table, slowest_rank,  # noqa: E402
-                    train_step, write_json)
+                    train_step, write_results)
 from paratrain.comm import ByteCounter  # noqa: E402
 from paratrain.parallel.hierarchical import HierarchicalDataParallel  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
@@ -118,9 +118,7 @@ def main(argv=None) -> None:
         models[name] = bench_model(name, args)
     settings = dict(world=WORLD, nodes=NODES, processes_per_node=WORLD // NODES, backend="gloo",
                     rounds=args.rounds, steps=args.steps, warmup=args.warmup, batch_per_rank=args.batch,
-                    threads_per_rank=THREADS, cores=os.cpu_count(), torch=torch.__version__,
-                    quick=args.quick, load_average_before=load_before, load_average_after=os.getloadavg())
-    write_json(args.out, dict(settings=settings, models=models))
+                    threads_per_rank=THREADS, cores=os.cpu_count())
     print_table([dict(model=name, **row) for name, row in models.items()],
                 [("model", "model", ""), ("gradient_mb", "grad MiB", ".1f"),
                  ("flat_cross_mb_per_node", "flat x-node/node", ".1f"),
@@ -129,7 +127,7 @@ def main(argv=None) -> None:
                  ("hier_cross_mb_max_rank", "hier x-node max rank", ".1f"),
                  ("cross_ratio", "x-node ratio", ".3f"), ("flat_ms", "flat ms", ".1f"),
                  ("hier_ms", "hier ms", ".1f"), ("max_param_diff", "max diff", ".1e")])
-    print(f"wrote {args.out}; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    write_results(args, settings, load_before, models=models)
 
 
 if __name__ == "__main__":

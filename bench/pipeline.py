@@ -44,7 +44,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
 from common import (interleave, peak_rss_mb, print_table, reset_peak_rss, return_freed_memory_to_os,  # noqa: E402
-                    rss_mb, slowest_rank, write_json)
+                    rss_mb, slowest_rank, write_results)
 from paratrain.parallel.pipeline import Pipeline, split_model  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
@@ -225,11 +225,9 @@ def main(argv=None) -> None:
                     warmup=args.warmup, batch=args.batch, threads_per_rank=THREADS,
                     model=f"{DEPTH} x (Linear {WIDTH}->{WIDTH}, ReLU), Linear {WIDTH}->10",
                     params=sum(p.numel() for p in model().parameters()),
-                    optimizer=f"SGD(lr={LR}, momentum=0.9)", torch=torch.__version__, quick=args.quick,
-                    load_average_before=load_before, load_average_after=os.getloadavg())
-    write_json(args.out, dict(settings=settings, results=rows))
+                    optimizer=f"SGD(lr={LR}, momentum=0.9)")
     _report(rows)
-    print(f"wrote {args.out}; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    write_results(args, settings, load_before, results=rows)
 
 
 if __name__ == "__main__":

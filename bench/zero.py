@@ -70,7 +70,7 @@ import paratrain as pt  # noqa: E402
 from common import (MODELS, SEQ, bench_parser, parse_bench_args, distinct_storage_bytes, live_tensor_bytes, loss_of,  # noqa: E402
                     make_batches, make_model, peak_rss_mb, print_table, reset_peak_rss,
                     return_freed_memory_to_os, rss_mb, summarize_times, time_interleaved, train_step,
-                    write_json)
+                    write_results)
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, THREADS, LR, MEMORY_STEPS, PARITY_STEPS, DATA_BATCHES = 2, 1, 1e-3, 3, 3, 4
@@ -304,11 +304,9 @@ def main(argv=None) -> None:
                     optimizer=f"Adam(lr={LR})", memory_steps=MEMORY_STEPS, parity_steps=PARITY_STEPS,
                     units={name: UNIT[name].__name__ for name in args.models},
                     references={f"stage{s}": REFERENCE[s] for s in args.stages},
-                    torch=torch.__version__, source=_source_version(), quick=args.quick,
-                    load_average_before=load_before, load_average_after=os.getloadavg())
-    write_json(args.out, dict(settings=settings, results=results))
+                    source=_source_version())
     _report(results)
-    print(f"wrote {args.out}; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    write_results(args, settings, load_before, results=results)
 
 
 if __name__ == "__main__":
