@@ -60,15 +60,19 @@ def test_bad_precision_and_scaler_settings_are_clear_errors():
 
 # -- bf16: DDP and ZeRO-3 against one process --------------------------------------------------------
 
-def _bf16_train(topo, strategy):
-    session = pt.Session(strategy, precision="bf16", topology=topo, progress_bar=False)
+def _train_mlp(session, topo, steps):
+    """`steps` steps of the MLP, each rank on its slice of the global batch; the full state."""
     model = make_model("mlp")
     model, _ = session.setup(model, _sgd(model.parameters()))
-    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
-    for step in range(STEPS):
+    xs, ys = make_batches(steps, GLOBAL_BATCH)
+    for step in range(steps):
         x, y = xs[step].chunk(topo.world_size)[topo.rank], ys[step].chunk(topo.world_size)[topo.rank]
         session.train_step((x, y), F.cross_entropy)
     return session.full_state_dict()
+
+
+def _bf16_train(topo, strategy):
+    return _train_mlp(pt.Session(strategy, precision="bf16", topology=topo, progress_bar=False), topo, STEPS)
 
 
 def _reference(dtype, pieces):
@@ -196,13 +200,7 @@ def _fp16_clipped(topo, strategy, steps):
     scaler = GradScaler(init_scale=2.0 ** 12, growth_interval=2)
     session = pt.Session(strategy, precision="fp16", grad_scaler=scaler, max_grad_norm=0.05,
                          topology=topo, progress_bar=False)
-    model = make_model("mlp")
-    model, _ = session.setup(model, _sgd(model.parameters()))
-    xs, ys = make_batches(steps, GLOBAL_BATCH)
-    for step in range(steps):
-        x, y = xs[step].chunk(topo.world_size)[topo.rank], ys[step].chunk(topo.world_size)[topo.rank]
-        session.train_step((x, y), F.cross_entropy)
-    return session.full_state_dict(), scaler.scale_value
+    return _train_mlp(session, topo, steps), scaler.scale_value
 
 
 def _torch_fp16_reference(steps, pieces):
