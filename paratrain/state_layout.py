@@ -56,10 +56,11 @@ def model_layout(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[nn.Par
         module = getattr(model, "module", model)
         whole = {f"model/{n}": p.detach().view(-1) for n, p in module.named_parameters()}
         layouts = getattr(model, "optimizer_layouts", lambda: {})()  # ZeRO stages 1 and 2
-    shapes = {n: s for layout in layouts.values() for n, _, s in layout.slots}
-    shapes.update({n: p.shape for n, p in module.named_parameters()})
     if hasattr(model, "model_shapes"):  # a pipeline stage holds some parameters of the model
         shapes = model.model_shapes()
+    else:
+        shapes = {n: s for layout in layouts.values() for n, _, s in layout.slots}
+        shapes.update({n: p.shape for n, p in module.named_parameters()})
     whole.update({f"buffers/{n}": b for n, b in module.named_buffers()})
     return whole, layouts, shapes
 
