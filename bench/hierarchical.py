@@ -61,7 +61,7 @@ def flat_ring_cross_node(topo, numel: int) -> int:
 def speed(topo, name: str, batch: int, warmup: int, rounds: int, steps: int) -> dict:
     model = make_model(name)
     wrapped = {"flat": pt.DistributedDataParallel(copy.deepcopy(model)),
-               "hierarchical": HierarchicalDataParallel(copy.deepcopy(model), topology=topo)}
+               "hierarchical": HierarchicalDataParallel(copy.deepcopy(model), groups=pt.node_groups(topo))}
     opts = {impl: _optimizer(m) for impl, m in wrapped.items()}
     batches = make_batches(name, batch, DATA_BATCHES, seed=100 + topo.rank)
     done = {impl: 0 for impl in wrapped}

@@ -157,7 +157,7 @@ def held_tensors(stage: int, impl: str, model: nn.Module, opt: torch.optim.Optim
     if impl == "ours" and stage < 3:
         module_params = list(model.module.parameters())
         grads = [b.buffer for b in model._buckets.buckets] + [p.grad for p in module_params]
-        grads += [s.grad for s in model.shards] + list(getattr(model._buckets, "shard_grads", []))
+        grads += [s.grad for s in model.shards] + list(getattr(model._reduction, "shard_grads", {}).values())
         return dict(params=model.param_buffers + module_params + list(model.shards), grads=grads,
                     optimizer=_state_tensors(opt))
     if impl == "ours":

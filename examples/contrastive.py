@@ -95,7 +95,7 @@ def train(negatives: str, args, train_set) -> Encoder:
     loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
     model, optimizer, loader = session.setup(model, optimizer, loader)
     scope = {"local": "local", "global": "world", "node": "node"}[negatives]
-    groups = pt.node_groups(session.topology) if scope == "node" else None
+    groups = session.grid.node_groups() if scope == "node" else None
     gather = partial(gather_embeddings, scope=scope, groups=groups)
 
     def loss_fn(z, _labels):  # z: (2b, 32), both views of this rank's b images

@@ -7,12 +7,7 @@
         loss = session.train_step(batch, loss_fn)
 """
 
-from paratrain.comm import (
-    all_gather_with_grad,
-    broadcast_object,
-    mean_metrics,
-    ring_all_reduce,
-)
+from paratrain.comm import all_gather_with_grad, broadcast_object, mean_metrics
 from paratrain.contrastive import Gathered, gather_embeddings, nt_xent_loss
 from paratrain.data import DistributedSampler, partition
 from paratrain.errors import (
@@ -22,24 +17,26 @@ from paratrain.errors import (
     ParatrainError,
     UsageError,
 )
+from paratrain.grid import NodeGroups, ProcessGrid, node_groups
 from paratrain.metrics import MetricsLogger
-from paratrain.parallel.ddp import DistributedDataParallel
+from paratrain.parallel.base import ParallelModule, Strategy, full_state_dict
+from paratrain.parallel.ddp import DDP, DistributedDataParallel
 from paratrain.parallel.dp import DP, DataParallel
 from paratrain.parallel.hierarchical import Hierarchical, HierarchicalDataParallel
 from paratrain.parallel.model_parallel import LayersOnDevices, ModelParallel
 from paratrain.parallel.pipeline import Pipeline, PipelineStage
-from paratrain.parallel.shard import full_state_dict, shard
-from paratrain.parallel.wrap_policy import WrapPolicy
+from paratrain.parallel.single import Single
+from paratrain.parallel.zero import WrapPolicy, ZeRO, shard
 from paratrain.precision import GradScaler
+from paratrain.ring import ring_all_reduce
 from paratrain.session import Session
-from paratrain.strategy import DDP, Single, Strategy, ZeRO
-from paratrain.topology import NodeGroups, Topology, destroy, node_groups
+from paratrain.topology import Topology, destroy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "CommError", "ConfigError", "ParatrainError", "UsageError",
-    "Topology", "NodeGroups", "destroy", "node_groups",
+    "Topology", "ProcessGrid", "NodeGroups", "destroy", "node_groups",
     "all_gather_with_grad", "broadcast_object", "mean_metrics", "ring_all_reduce",
     "gather_embeddings", "nt_xent_loss", "Gathered",
     "DistributedSampler", "partition",
@@ -47,5 +44,5 @@ __all__ = [
     "PipelineStage",
     "shard", "full_state_dict", "WrapPolicy",
     "GradScaler", "MetricsLogger",
-    "Session", "Strategy", "Single", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
+    "Session", "Strategy", "ParallelModule", "Single", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
 ]

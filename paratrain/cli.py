@@ -25,7 +25,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 
 from paratrain.errors import ConfigError
-from paratrain.topology import Topology, pick_backend, rank_grid, resolve_timeout
+from paratrain.grid import ProcessGrid
+from paratrain.topology import Topology, pick_backend, resolve_timeout
 
 TORCHRUN_DEFAULT_PORT = 29500  # what torchrun uses for a static rendezvous with no --master-port
 
@@ -205,9 +206,8 @@ def _describe_exit(exitcode: int) -> str:
 def env() -> None:
     """Print one line describing this process; under a launcher every rank prints its own."""
     topo = Topology.from_env()
-    grid = rank_grid(topo)  # rows are intra-node groups, columns inter-node ones (topology.py)
-    intra = grid[topo.node_rank].tolist()
-    inter = grid[:, topo.local_rank].tolist()
+    grid = ProcessGrid(topo)  # the ranks of this rank's groups; builds none (grid.py)
+    intra, inter = grid.ranks("local"), grid.ranks("node")
     fields = dict(
         rank=topo.rank, local_rank=topo.local_rank, world_size=topo.world_size,
         local_world_size=topo.local_world_size, node_rank=topo.node_rank, nodes=topo.num_nodes,

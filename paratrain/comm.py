@@ -10,7 +10,7 @@ Conventions shared by every function here:
 - `counter=` takes a `ByteCounter` and adds the bytes this rank sends when the collective runs as
   the bandwidth-optimal ring (Patarasuk & Yuan 2009; Thakur, Rabenseifner & Gropp 2005,
   "Optimization of collective communication operations in MPICH"). Strategies compare their cost
-  with it (hierarchical against flat) without instrumenting the backend; `ring_all_reduce` counts
+  with it (hierarchical against flat) without instrumenting the backend; `ring.ring_all_reduce` counts
   what it really sends, and the tests check the two agree.
 - Every wait is the backend's own and gives up after the group's timeout (set by
   `Topology.init`), so nothing here sleeps or polls.
@@ -18,15 +18,14 @@ Conventions shared by every function here:
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from paratrain.errors import ConfigError, UsageError
-from paratrain.topology import resolve_timeout
+from paratrain.errors import UsageError
+from paratrain.grid import new_group  # noqa: F401  (the one place groups are made)
 
 SUM = dist.ReduceOp.SUM
 
@@ -54,18 +53,6 @@ def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def new_group(ranks: Sequence[int], *, timeout: float | None = None,
-              backend: str | None = None) -> dist.ProcessGroup:
-    """A group of the given global ranks. Collective: every rank of the job calls it, members or
-    not, in the same order. `timeout` in seconds (default: PARATRAIN_TIMEOUT or 600, as the
-    default group's; torch's own default for new groups would be 30 minutes)."""
-    world = dist.get_world_size()
-    if len(set(ranks)) != len(ranks) or not all(0 <= r < world for r in ranks):
-        raise ConfigError(f"new_group needs distinct ranks in 0…{world - 1}; got {list(ranks)}")
-    delta = datetime.timedelta(seconds=resolve_timeout(timeout))
-    return dist.new_group(ranks=sorted(ranks), timeout=delta, backend=backend)
-
-
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait until every rank of `group` arrives."""
     dist.barrier(group=group)
@@ -76,7 +63,7 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 def send(tensor: torch.Tensor, dst: int, group=None, *, counter: ByteCounter | None = None) -> int:
     """Send `tensor` to rank `dst` of `group`; returns the bytes sent."""
     dist.send(tensor, global_rank(group, dst), group=group)
-    return _count(counter, _nbytes(tensor))
+    return count_bytes(counter, nbytes(tensor))
 
 
 def recv(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
@@ -87,7 +74,7 @@ def recv(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
 
 def isend(tensor: torch.Tensor, dst: int, group=None, *, counter: ByteCounter | None = None):
     """Start sending `tensor` to rank `dst`; returns the work handle to `.wait()` on."""
-    _count(counter, _nbytes(tensor))
+    count_bytes(counter, nbytes(tensor))
     return dist.isend(tensor, global_rank(group, dst), group=group)
 
 
@@ -110,7 +97,7 @@ def all_reduce(tensor: torch.Tensor, op=SUM, group=None, *, average: bool = Fals
     _check_average(tensor, op, average, "all_reduce")
     n = dist.get_world_size(group)
     dist.all_reduce(tensor, op=op, group=group)
-    _count(counter, ring_bytes(tensor.numel(), tensor.element_size(), n, phases=2))
+    count_bytes(counter, ring_bytes(tensor.numel(), tensor.element_size(), n, phases=2))
     # sum then divide: gloo has no ReduceOp.AVG (only nccl does)
     return tensor.div_(n) if average else tensor
 
@@ -134,7 +121,7 @@ def all_gather_cat(tensor: torch.Tensor, group=None, dim: int = 0, *,
     local = tensor.movedim(dim, 0).contiguous()  # (rows, ...): rank blocks stack along dim 0
     out = local.new_empty((n * local.shape[0], *local.shape[1:]))  # (n·rows, ...)
     all_gather_single(out, local, group=group)
-    _count(counter, ring_bytes(out.numel(), out.element_size(), n, phases=1))
+    count_bytes(counter, ring_bytes(out.numel(), out.element_size(), n, phases=1))
     return out.movedim(0, dim)
 
 
@@ -168,7 +155,7 @@ def reduce_scatter(tensor: torch.Tensor, op=SUM, group=None, *, average: bool = 
                          f"equal chunks; pad dim 0 to a multiple of {n} first")
     out = tensor.new_empty((tensor.shape[0] // n, *tensor.shape[1:]))
     reduce_scatter_single(out, tensor.contiguous(), op=op, group=group)
-    _count(counter, ring_bytes(tensor.numel(), tensor.element_size(), n, phases=1))
+    count_bytes(counter, ring_bytes(tensor.numel(), tensor.element_size(), n, phases=1))
     return out.div_(n) if average else out
 
 
@@ -187,44 +174,6 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group=None, src: int = 0) -
             for t in same:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-
-
-def reduce_to_owners(flat: torch.Tensor, group=None, *, rank: int, world: int,
-                     scatter: bool) -> tuple[Any, torch.Tensor]:
-    """Start a SUM over `group` of `flat` (N equal slices) after which this rank needs only slice
-    `rank`; returns (work, slice), the slice valid after `work.wait()`.
-
-    `scatter=True` reduce-scatters (half the bytes: nccl); `scatter=False` all-reduces and keeps
-    the slice, which measured faster on gloo: on 2 CPU ranks a 25 MiB reduce-scatter took 26 ms
-    and an all-reduce 23 ms (while a 1 MiB one was faster as a reduce-scatter)."""
-    if scatter:
-        out = flat.new_empty(flat.numel() // world)
-        return reduce_scatter_single(out, flat, group=group, async_op=True), out
-    return dist.all_reduce(flat, group=group, async_op=True), flat.view(world, -1)[rank]
-
-
-def gather_from_owners(flat: torch.Tensor, mine: torch.Tensor, group=None, *, rank: int,
-                       world: int) -> list[Any]:
-    """Start filling `flat` (N equal slices) with every rank's `mine`, this rank's slice (any
-    dtype or device; it may already be slice `rank` of `flat`); returns the works to wait on.
-
-    On gloo, `mine` goes into its slice and each owner broadcasts its slice: on 2 CPU ranks
-    gloo's all-gather took 157 ms for 72 MiB, 31 ms for 16 MiB and 4.7 ms for 3 MiB, the same
-    bytes as broadcasts 35, 5.8 and 1.5 ms (measured for bench/zero.py). Elsewhere one
-    all-gather of a copy of `mine` (its input must not alias its output)."""
-    pieces = flat.view(world, -1)
-    if dist.get_backend(group) != "gloo":
-        local = mine.to(flat.device, flat.dtype, copy=True)
-        return [all_gather_single(flat, local, group=group, async_op=True)]
-    if mine.data_ptr() != pieces[rank].data_ptr():
-        pieces[rank].copy_(mine)
-    return [dist.broadcast(piece, src=global_rank(group, owner), group=group, async_op=True)
-            for owner, piece in enumerate(pieces)]
-
-
-def prefers_reduce_scatter(group=None) -> bool:
-    """Whether `reduce_to_owners` should reduce-scatter on this group's backend (see there)."""
-    return dist.get_backend(group) == "nccl"
 
 
 # ---- what torch lacks ----------------------------------------------------------------------
@@ -283,50 +232,6 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return box[0]
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None, *, counter: ByteCounter | None = None) -> int:
-    """Reference ring all-reduce (SUM, in place) from p2p sends only; returns the bytes sent.
-
-    Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
-    workstations". The tensor is flattened, zero-padded to N·c elements and cut into N chunks.
-    Rank r sends only to its right neighbour r+1 and receives only from its left neighbour r-1.
-
-    Phase 1, reduce-scatter (N-1 steps): at step s, send chunk (r-s) mod N and add the chunk
-    received into chunk (r-s-1) mod N. After it, chunk (r+1) mod N holds the full sum.
-    Phase 2, all-gather (N-1 steps): at step s, send chunk (r+1-s) mod N and overwrite chunk
-    (r-s) mod N with the one received, so every finished chunk travels once around the ring.
-
-    Each rank sends 2(N-1) chunks: 2(N-1)/N × the padded size, the lower bound for all-reduce.
-    """
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    chunks = _padded_chunks(tensor, n)  # (n, c)
-    right, left = global_rank(group, (r + 1) % n), global_rank(group, (r - 1) % n)
-    incoming = torch.empty_like(chunks[0])  # (c,)
-    sent = 0
-    for s in range(n - 1):
-        sent += _exchange(chunks[(r - s) % n], incoming, right, left, group)
-        chunks[(r - s - 1) % n] += incoming
-    for s in range(n - 1):
-        sent += _exchange(chunks[(r + 1 - s) % n], chunks[(r - s) % n], right, left, group)
-    tensor.copy_(chunks.view(-1)[: tensor.numel()].view(tensor.shape))
-    return _count(counter, sent)
-
-
-def _padded_chunks(tensor: torch.Tensor, n: int) -> torch.Tensor:
-    chunk = -(-tensor.numel() // n)  # ceil: the last chunks are zero padding
-    flat = tensor.new_zeros(n * chunk)
-    flat[: tensor.numel()] = tensor.reshape(-1)
-    return flat.view(n, chunk)
-
-
-def _exchange(outgoing: torch.Tensor, incoming: torch.Tensor, right: int, left: int, group) -> int:
-    # Both posted before either is waited on: every rank sends at once, and a blocking send would
-    # wait for a receive its neighbour has not posted yet (torch docs of batch_isend_irecv).
-    ops = [dist.P2POp(dist.irecv, incoming, left, group), dist.P2POp(dist.isend, outgoing, right, group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return _nbytes(outgoing)
-
-
 # ---- small pieces --------------------------------------------------------------------------
 
 def ring_bytes(numel: int, element_size: int, n: int, phases: int) -> int:
@@ -334,12 +239,12 @@ def ring_bytes(numel: int, element_size: int, n: int, phases: int) -> int:
     return phases * (n - 1) * -(-numel // n) * element_size
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _count(counter: ByteCounter | None, nbytes: int) -> int:
-    return counter.add(nbytes) if counter is not None else nbytes
+def count_bytes(counter: ByteCounter | None, sent: int) -> int:
+    return counter.add(sent) if counter is not None else sent
 
 
 def _check_average(tensor: torch.Tensor, op, average: bool, name: str) -> None:

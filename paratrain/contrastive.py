@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from paratrain.comm import all_gather_cat, all_gather_with_grad
 from paratrain.errors import ConfigError
-from paratrain.topology import NodeGroups
+from paratrain.grid import NodeGroups
 
 SCOPES = ("local", "node", "world")
 
@@ -45,7 +45,7 @@ def gather_embeddings(x: torch.Tensor, *, scope: str = "world",
     """Every rank's rows of `x` (dim 0) with gradients flowing back to their owners.
 
     scope: "world" (all ranks), "node" (the ranks of this node; needs `groups`, made once with
-        `paratrain.node_groups(topology)`), or "local" (this rank's rows only, no communication).
+        `session.grid.node_groups()` or `paratrain.node_groups(topology)`), or "local" (this rank's rows only, no communication).
     Collective for "world" and "node": every rank of the scope calls it at the same point. Ranks
     may hold different numbers of rows (an uneven last batch): rows are padded for the transfer
     and cut out again.

@@ -61,3 +61,14 @@ def clip_grad_norm_over(grads: list[torch.Tensor], max_norm: float, group=None) 
     for g in grads:
         g.mul_(scale.to(g.device, g.dtype))
     return norm
+
+
+def refuse_scheduler_on_replaced(given: torch.optim.Optimizer | None, used: torch.optim.Optimizer | None,
+                                 strategy: str) -> None:
+    """A learning-rate scheduler made on `given` before a strategy replaced it with `used` would
+    change the learning rate of an optimizer that no longer steps."""
+    if given is not None and used is not given and hasattr(given.step, "_wrapped_by_lr_sched"):
+        raise ConfigError(f"a learning-rate scheduler was created on the optimizer before setup(), but "
+                          f"{strategy} replaces that optimizer, so the scheduler would change "
+                          "the learning rate of one that no longer steps: create the scheduler from "
+                          "the optimizer setup() returns")

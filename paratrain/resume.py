@@ -12,18 +12,66 @@ in the data and its randomness:
 
 All but `rng` are JSON in the checkpoint's metadata, the same on every rank. RNG states are
 restored only under the world size that saved them (another world draws other streams anyway).
+
+`SessionCheckpoints` holds the Session's checkpoint methods (the Session class inherits them).
 """
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paratrain import checkpoint
+from paratrain.data import DistributedSampler
 from paratrain.errors import ConfigError, UsageError
+from paratrain.parallel.base import full_state_dict
 
 if TYPE_CHECKING:
     from paratrain.session import Session
+
+
+class SessionCheckpoints:
+    """Save, load, keep and export a Session's state (mixed into `Session`)."""
+
+    def register(self: "Session", **objects: Any) -> None:
+        """Save these objects' `state_dict()` with every checkpoint and load it back, under their
+        names: `session.register(scheduler=scheduler)`. Anything with state_dict() and
+        load_state_dict() whose state is JSON: LR schedulers, counters of your own."""
+        for name, obj in objects.items():
+            check_registrable(name, obj)
+        self.registered.update(objects)
+
+    def save(self: "Session", path: str | os.PathLike) -> Path:
+        """Save model, optimizer, epoch and micro-step, the sampler's position, registered objects
+        and every rank's RNG states to `path` (checkpoint.py: sharded, atomic). A collective:
+        every rank calls it."""
+        state, rng = session_state(self)
+        return checkpoint.save(path, self._require_model(), self.optimizer, state=state, rng=rng)
+
+    def load(self: "Session", path: str | os.PathLike) -> None:
+        """Load a checkpoint written by `save` under any strategy and world size; training then
+        continues exactly where it stopped (RNG states too, when the world size is the same)."""
+        restore_session(self, checkpoint.load(path, self._require_model(), self.optimizer), path)
+
+    def checkpoint(self: "Session", root: str | os.PathLike, keep: int = 3) -> Path:
+        """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there."""
+        path = self.save(Path(root) / f"step-{self.micro_step // self.accumulate:08d}")
+        checkpoint.prune(root, keep)
+        return path
+
+    def resume(self: "Session", root: str | os.PathLike) -> bool:
+        """Load the newest complete checkpoint under `root`, if there is one; say whether."""
+        path = checkpoint.latest(root) if Path(root).is_dir() else None
+        if path is not None:
+            self.load(path)
+        return path is not None
+
+    def export(self: "Session", path: str | os.PathLike) -> Path | None:
+        """The whole model as one `.safetensors` file for inference (gathered from every rank,
+        written by rank 0). A collective."""
+        return checkpoint.export_safetensors(path, full_state_dict(self._require_model()))
 
 
 def check_registrable(name: str, obj: Any) -> None:
@@ -35,7 +83,7 @@ def check_registrable(name: str, obj: Any) -> None:
 
 def session_state(session: "Session") -> tuple[dict, dict]:
     """(JSON state, this rank's RNG tensors) of `session` for checkpoint.save."""
-    sampler = getattr(session.loader, "sampler", None)
+    sampler = session.loader.sampler if session.loader is not None else None
     objects = {}
     for name, obj in session.registered.items():
         objects[name] = obj.state_dict()
@@ -46,7 +94,7 @@ def session_state(session: "Session") -> tuple[dict, dict]:
                               "checkpoints store JSON, never pickles: register only objects whose "
                               "state is numbers, strings, lists and dicts") from None
     state = {"epoch": session.epoch, "micro_step": session.micro_step, "strategy": session.strategy.name,
-             "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
+             "sampler": sampler.state_dict() if isinstance(sampler, DistributedSampler) else None,
              "scaler": session.scaler.state_dict() if session.scaler is not None else None,
              "objects": objects}
     rng = checkpoint.rng_state()
@@ -65,8 +113,8 @@ def restore_session(session: "Session", loaded: dict, path: Any) -> None:
     session.epoch, session.micro_step = state.get("epoch", 0), state.get("micro_step", 0)
     if session.scaler is not None and state.get("scaler"):
         session.scaler.load_state_dict(state["scaler"])
-    sampler = getattr(session.loader, "sampler", None)
-    if state.get("sampler") and hasattr(sampler, "load_state_dict"):
+    sampler = session.loader.sampler if session.loader is not None else None
+    if state.get("sampler") and isinstance(sampler, DistributedSampler):
         sampler.load_state_dict(state["sampler"])
     for name, obj in session.registered.items():
         obj.load_state_dict(state["objects"][name])

@@ -6,49 +6,40 @@
         for batch in session.progress(loader):
             loss = session.train_step(batch, loss_fn)
 
-`setup` wraps the model with the strategy and rebuilds the loader so that each data-parallel
-replica reads a disjoint share of every epoch: the loader's `batch_size` is the *global* batch,
-and each replica gets `batch_size / replicas` of it, so changing the number of processes does not
-change what one optimizer step sees.
-
-`train_step(batch, loss_fn)` takes `batch = (inputs, targets)` and `loss_fn(outputs, targets)`.
-For loops that need more control, the same step is `with session.accumulation(): loss = …;
-session.backward(loss)` followed by `session.step()`.
-
-Mixed precision: `Session(precision="bf16")` runs forward and loss (inside `accumulation()`) under
-`torch.autocast`; `"fp16"` also scales the loss with `precision.GradScaler`, whose inf check spans
-the ranks that hold parts of the gradients. Losses averaged over a varying number of tokens:
-`train_step(batch, loss_fn, weight=num_tokens)` (see `backward`).
+`setup` wraps the model with the strategy (a `ParallelModule`, parallel/base.py: the session only
+ever calls that protocol) and rebuilds the loader so that each data-parallel replica reads a
+disjoint share of every epoch: the loader's `batch_size` is the *global* batch, so changing the
+number of processes does not change what one optimizer step sees. For loops that need more
+control, `train_step` is `with session.accumulation(): loss = …; session.backward(loss)` followed
+by `session.step()`. Checkpoint methods are in resume.py, the progress bar in progress.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import time
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
-from paratrain import checkpoint
 from paratrain.accumulation import TokenWeights
 from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.data import shard_loader
 from paratrain.errors import ConfigError, UsageError
 from paratrain.metrics import MetricsLogger
-from paratrain.parallel.shard import full_state_dict
+from paratrain.optim import refuse_scheduler_on_replaced
+from paratrain.parallel.base import ParallelModule, Strategy, full_state_dict
 from paratrain.precision import GradScaler, autocast_dtype
-from paratrain.resume import check_registrable, restore_session, session_state
-from paratrain.strategy import Strategy, resolve
-from paratrain.topology import NodeGroups, Topology, destroy, node_groups
+from paratrain.progress import progress
+from paratrain.resume import SessionCheckpoints
+from paratrain.strategy import resolve
+from paratrain.topology import Topology, destroy
 
 
-class Session:
+class Session(SessionCheckpoints):
     """Strategy, accumulation, clipping, progress and rank-0 printing for one training job.
 
     strategy: a name ("single", "dp", "ddp", "hierarchical", "zero1", "zero2", "zero3",
@@ -89,9 +80,10 @@ class Session:
         self.strategy = resolve(strategy)
         self.accumulate, self.max_grad_norm, self.seed = accumulate, max_grad_norm, seed
         self.topology = (topology or Topology.from_env()).init(timeout, debug_collectives=debug_collectives)
+        self.grid = self.strategy.grid(self.topology)  # every process group comes from it (grid.py)
         self.progress_bar, self.nan_check = progress_bar, nan_check
         self.metrics = MetricsLogger(log_dir, is_main=self.is_main) if log_dir is not None else None
-        self.model: nn.Module | None = None
+        self.model: ParallelModule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.loader: DataLoader | None = None  # the training loader setup() returned
         self.epoch = 0
@@ -99,26 +91,14 @@ class Session:
         self.last_loss: torch.Tensor | None = None
         self.samples_per_second = 0.0  # global throughput of the last progress() loop
         self.registered: dict[str, Any] = {}  # name → object whose state checkpoints carry
-        self._node_groups: NodeGroups | None = None  # built on first use (contrastive gathers)
         torch.manual_seed(seed)
 
     # -- facts about the job -------------------------------------------------------------------
 
-    @property
-    def rank(self) -> int:
-        return self.topology.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.topology.world_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.topology.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.topology.is_main
+    rank = property(lambda self: self.topology.rank)  # global rank
+    world_size = property(lambda self: self.topology.world_size)
+    device = property(lambda self: self.topology.device)  # this rank's device
+    is_main = property(lambda self: self.topology.is_main)  # global rank 0
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on global rank 0 only."""
@@ -134,44 +114,34 @@ class Session:
         if self.model is not None:
             raise UsageError("setup() was already called on this session: keep using the model, "
                              "optimizer and loader it returned, or make a new Session for another model")
-        given = optimizer
-        self.model, optimizer = self.strategy.setup(model, optimizer, self.topology)
-        if optimizer is not given and hasattr(given.step, "_wrapped_by_lr_sched"):
-            raise ConfigError(f"a learning-rate scheduler was created on the optimizer before setup(), but "
-                              f"{self.strategy.name} replaces that optimizer, so the scheduler would change "
-                              "the learning rate of one that no longer steps: create the scheduler from "
-                              "the optimizer setup() returns")
-        self.optimizer = optimizer
-        out: list[Any] = [self.model]
-        if optimizer is not None:
-            out.append(optimizer)
-        if loader is not None:
-            self.loader = self.shard_loader(loader)
-            out.append(self.loader)
+        self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid)
+        refuse_scheduler_on_replaced(optimizer, self.optimizer, self.strategy.name)
+        self.loader = self.shard_loader(loader) if loader is not None else None
+        out = [self.model] + [x for x in (self.optimizer, self.loader) if x is not None]
         return out[0] if len(out) == 1 else tuple(out)
 
     def shard_loader(self, loader: DataLoader) -> DataLoader:
         """The same loader, reading this replica's share: batch_size/replicas per step."""
-        replicas, index = self.strategy.data_parallel(self.topology)
-        sharded = shard_loader(loader, replicas=replicas, index=index, seed=self.seed, rank=self.rank,
-                               pin_memory=self.device.type == "cuda")
-        self.strategy.check_loader(sharded)
+        model = self._require_model()
+        sharded = shard_loader(loader, replicas=model.replicas, index=model.replica_index, seed=self.seed,
+                               rank=self.rank, pin_memory=self.device.type == "cuda")
+        model.check_loader(sharded)
         return sharded
 
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
         """The user's own model inside the strategy's wrapper (for evaluation, export). Under
         ZeRO stage 3 its parameters are gathered only inside the wrapper's forward: evaluate
         through the wrapped model, or load `full_state_dict()` into a fresh copy."""
-        return self.strategy.unwrap(model or self._require_model())
+        model = model or self._require_model()
+        return model.module if isinstance(model, ParallelModule) else model
 
     def gather_embeddings(self, x: torch.Tensor, scope: str = "world") -> Gathered:
         """Every rank's rows of `x` ("world"), this node's ranks' ("node") or this rank's own
         ("local"), differentiable: gradients go back to each row's rank. For contrastive losses
         with negatives from every rank: `pt.nt_xent_loss(z1, z2, gather=session.gather_embeddings)`.
         A collective: every rank calls it."""
-        if scope == "node" and self._node_groups is None:
-            self._node_groups = node_groups(self.topology)  # collective, like this call
-        return gather_embeddings(x, scope=scope, groups=self._node_groups)
+        groups = self.grid.node_groups() if scope == "node" else None  # built on first use
+        return gather_embeddings(x, scope=scope, groups=groups)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict with its own keys, on every rank (a collective)."""
@@ -193,7 +163,7 @@ class Session:
         model = self._require_model()
         with self.accumulation():
             scale = self._loss_factor(weight)
-            loss = self.strategy.forward_backward(model, inputs, targets, loss_fn, scale)
+            loss = model.forward_backward(inputs, targets, loss_fn, scale)
         self._check_finite(loss)
         self.step()
         self.last_loss = loss
@@ -206,7 +176,7 @@ class Session:
         "bf16"/"fp16" the block runs under `torch.autocast`. Yields whether this micro-batch
         ends an optimizer step."""
         last = (self.micro_step + 1) % self.accumulate == 0
-        sync = contextlib.nullcontext() if last else self.strategy.no_sync(self._require_model())
+        sync = contextlib.nullcontext() if last else self._require_model().no_sync()
         with sync, self.autocast():
             yield last
 
@@ -224,26 +194,19 @@ class Session:
 
         Token-weighted losses: when each micro-batch's loss is a mean over a different number of
         items (valid tokens of a padded batch), pass that number as `weight` on every micro-batch
-        of every rank. The step's gradient is then the gradient of Σ weight·loss / Σ weight over
-        all micro-batches of all data-parallel ranks: the mean over every token, exactly as one
-        process would compute it on the whole batch.
+        of every rank; the step's gradient is then that of the mean over every token of every
+        micro-batch and rank, as one process would compute it (how: accumulation.py).
 
             mask = targets != PAD
             loss = session.train_step((x, targets), lambda out, y: F.cross_entropy(
-                out.flatten(0, 1), y.flatten(), ignore_index=PAD), weight=mask.sum())
-
-        How: backward takes `weight · loss` (the micro-batch's sum), and `step()` multiplies
-        the gradients this rank holds by replicas / Σ weight (replicas undoing the data-parallel
-        mean), after one all-reduce of the local weight sums. Normalising afterwards, not before
-        backward, because the global count is known only once the last micro-batch is read:
-        scaling first would need every micro-batch in hand, or one all-reduce per micro-batch."""
+                out.flatten(0, 1), y.flatten(), ignore_index=PAD), weight=mask.sum())"""
         self._check_finite(loss)
         (loss * self._loss_factor(weight)).backward()
 
     def _loss_factor(self, weight: float | torch.Tensor | None) -> float:
         """What backward multiplies this micro-batch's loss by: 1/accumulate, or its weight
         (normalised in step()), times the fp16 loss scale."""
-        if weight is not None and getattr(self._require_model(), "is_pipeline", False):
+        if weight is not None and not self._require_model().supports_token_weights:
             raise UsageError("weight= is not supported with strategy 'pipeline' yet: its "
                              "micro-batches are cut inside the schedule; pass losses averaged "
                              "over equal numbers of tokens, or use a data-parallel strategy")
@@ -260,17 +223,17 @@ class Session:
         if self.optimizer is None:
             raise UsageError("step() needs an optimizer: pass it to session.setup(model, optimizer)")
         model = self._require_model()
-        factor = self._weights.normaliser(self.strategy.data_parallel(self.topology)[0])
+        factor = self._weights.normaliser(model.replicas)
         found_inf = False
         if self.scaler is not None or factor != 1.0:
-            grads, group = self.strategy.local_grads(model)
+            grads, group = model.local_grads()
             if self.scaler is not None:  # unscale before clipping: max_grad_norm is in true units
                 found_inf = self.scaler.unscale_(grads, group, factor=factor)
             else:
                 for g in grads:
                     g.mul_(factor)
         if self.max_grad_norm is not None and not found_inf:
-            self.strategy.clip_grad_norm(model, self.max_grad_norm)
+            model.clip_grad_norm_(self.max_grad_norm)
         if not found_inf:  # every rank agrees: the flag was reduced over the gradients' holders
             self.optimizer.step()
         if self.scaler is not None:
@@ -299,28 +262,7 @@ class Session:
         per second. For the training loader setup() returned, a full pass is one epoch: its
         sampler is reshuffled for `session.epoch`, which then advances. Other loaders (validation)
         are iterated as they are."""
-        training = loader is self.loader
-        sampler = getattr(loader, "sampler", None)
-        if training and hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch)
-        replicas, _ = self.strategy.data_parallel(self.topology)
-        total = len(loader) if hasattr(loader, "__len__") else None
-        bar = tqdm(total=total, desc=desc or f"epoch {self.epoch}", leave=False, mininterval=0.5,
-                   disable=not (self.is_main and self.progress_bar), dynamic_ncols=True)
-        samples, start = 0, time.perf_counter()
-        try:
-            for batch in loader:
-                yield batch
-                samples += _batch_len(batch) * replicas
-                self.samples_per_second = samples / (time.perf_counter() - start)
-                if self.last_loss is not None and not bar.disable:
-                    bar.set_postfix(loss=f"{self.last_loss.item():.4f}",
-                                    samples_s=f"{self.samples_per_second:.0f}", refresh=False)
-                bar.update()
-            if training:
-                self.epoch += 1
-        finally:  # also when the loop breaks early
-            bar.close()
+        return progress(self, loader, desc)
 
     # -- metrics -----------------------------------------------------------------------------------
 
@@ -333,46 +275,6 @@ class Session:
                              "log_dir, or average without writing with paratrain.comm.mean_metrics")
         step = self.micro_step // self.accumulate if step is None else step
         return self.metrics.log(step, **metrics)
-
-    # -- checkpoints -------------------------------------------------------------------------------
-
-    def register(self, **objects: Any) -> None:
-        """Save these objects' `state_dict()` with every checkpoint and load it back, under their
-        names: `session.register(scheduler=scheduler)`. Anything with state_dict() and
-        load_state_dict() whose state is JSON: LR schedulers, counters of your own."""
-        for name, obj in objects.items():
-            check_registrable(name, obj)
-        self.registered.update(objects)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        """Save model, optimizer, epoch and micro-step, the sampler's position, registered objects
-        and every rank's RNG states to `path` (checkpoint.py: sharded, atomic; resume.py: what the
-        session adds). A collective: every rank calls it."""
-        state, rng = session_state(self)
-        return checkpoint.save(path, self._require_model(), self.optimizer, state=state, rng=rng)
-
-    def load(self, path: str | os.PathLike) -> None:
-        """Load a checkpoint written by `save` under any strategy and world size; training then
-        continues exactly where it stopped (RNG states too, when the world size is the same)."""
-        restore_session(self, checkpoint.load(path, self._require_model(), self.optimizer), path)
-
-    def checkpoint(self, root: str | os.PathLike, keep: int = 3) -> Path:
-        """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there."""
-        path = self.save(Path(root) / f"step-{self.micro_step // self.accumulate:08d}")
-        checkpoint.prune(root, keep)
-        return path
-
-    def resume(self, root: str | os.PathLike) -> bool:
-        """Load the newest complete checkpoint under `root`, if there is one; say whether."""
-        path = checkpoint.latest(root) if Path(root).is_dir() else None
-        if path is not None:
-            self.load(path)
-        return path is not None
-
-    def export(self, path: str | os.PathLike) -> Path | None:
-        """The whole model as one `.safetensors` file for inference (gathered from every rank,
-        written by rank 0). A collective."""
-        return checkpoint.export_safetensors(path, self.full_state_dict())
 
     # -- end ---------------------------------------------------------------------------------------
 
@@ -392,8 +294,3 @@ class Session:
         if self.model is None:
             raise UsageError("call session.setup(model, optimizer, loader) before training")
         return self.model
-
-
-def _batch_len(batch: Any) -> int:
-    tensors = [t for t in tree_flatten(batch)[0] if torch.is_tensor(t) and t.dim() > 0]
-    return tensors[0].shape[0] if tensors else 1

@@ -19,50 +19,17 @@ name → shape map of the whole model (a pipeline stage gathers it from the othe
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Which parameters a flat, sharded buffer holds, and which slice of it this rank owns."""
-
-    slots: tuple[tuple[str, int, torch.Size], ...]  # (name, offset in the flat buffer, shape)
-    shard_size: int  # elements per rank (the padded buffer / world)
-    rank: int
-    world: int
-
-    def pieces(self, rank: int) -> list[tuple[str, int, int, int]]:
-        """(name, offset in the flattened parameter, offset in the shard, length) of each
-        parameter piece rank `rank`'s shard holds."""
-        lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
-        out = []
-        for name, offset, shape in self.slots:
-            a, b = max(lo, offset), min(hi, offset + shape.numel())
-            if a < b:
-                out.append((name, a - offset, a - lo, b - a))
-        return out
+from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule
 
 
-def model_layout(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[nn.Parameter, FlatLayout], dict]:
-    """(whole tensors by key, layout of each flat shard parameter, name → shape) of `model`."""
-    if hasattr(model, "checkpoint_layouts"):  # ZeRO stage 3 (fsdp.py)
-        layouts = model.checkpoint_layouts()
-        module = model.module
-        whole = {}
-    else:
-        module = getattr(model, "module", model)
-        whole = {f"model/{n}": p.detach().view(-1) for n, p in module.named_parameters()}
-        layouts = getattr(model, "optimizer_layouts", lambda: {})()  # ZeRO stages 1 and 2
-    if hasattr(model, "model_shapes"):  # a pipeline stage holds some parameters of the model
-        shapes = model.model_shapes()
-    else:
-        shapes = {n: s for layout in layouts.values() for n, _, s in layout.slots}
-        shapes.update({n: p.shape for n, p in module.named_parameters()})
-    whole.update({f"buffers/{n}": b for n, b in module.named_buffers()})
-    return whole, layouts, shapes
+def layout_of(model: nn.Module) -> CheckpointLayout:
+    """What this rank holds of `model`: a parallel wrapper says (its `checkpoint_layout`); a plain
+    module is held whole."""
+    return model.checkpoint_layout() if isinstance(model, ParallelModule) else CheckpointLayout.whole(model)
 
 
 def state_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -70,33 +37,35 @@ def state_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     """The checkpoint entries of `model` and `optimizer` (tensors to write, or to load into),
     and the name → shape map. `optim_keys`, when loading, are the optimizer state keys the
     checkpoint holds (key → dtype): missing state is created so it can be filled in place."""
-    whole, layouts, shapes = model_layout(model)
-    entries = dict(whole)
-    names = _names_by_param(getattr(model, "module", model))
-    if hasattr(model, "checkpoint_layouts"):  # the parameters themselves are sharded
-        for shard, layout in layouts.items():
-            entries.update(_sharded("model/{}", shard.detach(), layout, shapes))
+    layout = layout_of(model)
+    entries = {f"model/{n}": p.detach().view(-1) for n, p in layout.params.items()}
+    entries.update({f"buffers/{n}": b for n, b in layout.buffers.items()})
+    names = {p: n for n, p in layout.params.items()}
+    if layout.params_in_flat:
+        for shard, flat in layout.flat.items():
+            entries.update(_sharded("model/{}", shard.detach(), flat, layout.shapes))
     if optimizer is not None:
         for param, state in _optimizer_states(optimizer, optim_keys):
-            layout = layouts.get(param)
+            flat = layout.flat.get(param)
             for key, value in state.items():
                 if not torch.is_tensor(value):
                     continue
                 if value.dim() == 0:  # the same on every parameter a holder steps
-                    targets = [n for n, *_ in layout.slots] if layout else [names[param]]
+                    targets = [n for n, *_ in flat.slots] if flat else [names[param]]
                     entries.update({f"optim/{n}/{key}": value for n in targets})
-                elif layout is not None:
-                    entries.update(_sharded("optim/{}/" + key, value, layout, shapes))
+                elif flat is not None:
+                    entries.update(_sharded("optim/{}/" + key, value, flat, layout.shapes))
                 else:
                     entries[f"optim/{names[param]}/{key}"] = value.view(-1)
-    return entries, shapes
+    return entries, layout.shapes
 
 
 def _optimizer_states(optimizer, optim_keys):
-    inner = getattr(optimizer, "inner", optimizer)  # ZeRO 1-2 wraps the rebuilt optimizer
-    for group in inner.param_groups:
+    # every optimizer a strategy returns steps its param_groups with its `state` (ZeRO 1-2's
+    # ShardedOptimizer shares both with the optimizer it wraps)
+    for group in optimizer.param_groups:
         for p in group["params"]:
-            state = inner.state[p]
+            state = optimizer.state[p]
             for key, dtype in (optim_keys or {}).items():
                 if key not in state:  # a fresh optimizer: make the state the checkpoint fills
                     scalar = key in _SCALAR_KEYS
@@ -135,7 +104,3 @@ def _sharded(pattern: str, local: torch.Tensor, layout: FlatLayout, shapes: dict
             out.setdefault(pattern.format(name),
                            ShardedTensor._init_from_local_shards_and_global_metadata([], meta))
     return out
-
-
-def _names_by_param(module: nn.Module) -> dict[nn.Parameter, str]:
-    return {p: n for n, p in module.named_parameters()}

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from paratrain.errors import ParatrainError
-from paratrain.topology import Topology, _free_port, destroy
+from paratrain.topology import Topology, destroy, free_port
 
 
 class RankFailure(ParatrainError, RuntimeError):
@@ -45,7 +45,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, nodes: int
     results: "mp.Queue[tuple[int, str, Any]]" = ctx.Queue()
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     collective_timeout = collective_timeout or min(60.0, timeout / 2)
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size),
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
                LOCAL_WORLD_SIZE=str(world_size // nodes), PARATRAIN_BACKEND=backend)
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(fn, rank, env, threads, collective_timeout, args, kwargs, results))

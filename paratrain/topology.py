@@ -9,9 +9,8 @@ One `Topology` is read from whichever launcher started the process:
 - `torch.multiprocessing.spawn`: the caller passes `rank=` and `world_size=`;
 - nothing at all: one process, rank 0 of a world of 1, which runs the same code path as N ranks.
 
-Process groups are sliced from one rank grid, `arange(world).view(nodes, local_world)` (as
-picotron slices every group from one grid): rows are intra-node groups, columns inter-node ones.
-Every rank creates every group, in the same order, because `new_group` is collective.
+`Topology.init` creates the default group; every other group is sliced from one rank grid by
+`grid.ProcessGrid`.
 """
 
 from __future__ import annotations
@@ -95,7 +94,7 @@ class Topology:
             enable_collective_checks()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        port = self.master_port or _free_port()
+        port = self.master_port or free_port()
         timeout = resolve_timeout(timeout)
         delta = datetime.timedelta(seconds=timeout)
         if self.launcher == "torchrun":
@@ -179,45 +178,6 @@ def pick_backend(requested: str | None, local_rank: int) -> tuple[str, torch.dev
     return backend, torch.device("cuda", local_rank)
 
 
-@dataclass(frozen=True)
-class NodeGroups:
-    """The groups that hierarchical strategies need, each holding this rank."""
-
-    intra_node: dist.ProcessGroup | None  # the ranks of this node
-    inter_node: dist.ProcessGroup | None  # the ranks with this local rank, one per node
-    intra_ranks: tuple[int, ...]
-    inter_ranks: tuple[int, ...]
-
-
-def rank_grid(topology: Topology) -> torch.Tensor:
-    """The job's ranks as a (num_nodes, local_world_size) grid; every group is a slice of it."""
-    return torch.arange(topology.world_size).view(topology.num_nodes, topology.local_world_size)
-
-
-def groups_along(grid: torch.Tensor, rank: int, dim: int, *,
-                 timeout: float | None = None) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
-    """Create one group per line of `grid` along `dim` (collective: every rank calls it) and
-    return the group holding `rank` with its member ranks. `timeout` in seconds (default
-    PARATRAIN_TIMEOUT or 600): torch's own default for new groups is 30 minutes, not the default
-    group's."""
-    lines = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
-    delta = datetime.timedelta(seconds=resolve_timeout(timeout))
-    mine: tuple[dist.ProcessGroup | None, tuple[int, ...]] = (None, ())
-    for line in lines.tolist():
-        group = dist.new_group(ranks=line, timeout=delta)
-        if rank in line:
-            mine = (group, tuple(line))
-    return mine
-
-
-def node_groups(topology: Topology) -> NodeGroups:
-    """Intra-node and inter-node groups for this rank (collective: every rank calls it)."""
-    grid = rank_grid(topology)
-    intra, intra_ranks = groups_along(grid, topology.rank, dim=1, timeout=topology.timeout_s)
-    inter, inter_ranks = groups_along(grid, topology.rank, dim=0, timeout=topology.timeout_s)
-    return NodeGroups(intra, inter, intra_ranks, inter_ranks)
-
-
 def _from_spawn(env, rank, world_size, local_world_size) -> dict:
     if rank is None or world_size is None:
         raise ConfigError("pass both rank= and world_size= (as torch.multiprocessing.spawn gives them)")
@@ -278,7 +238,7 @@ def _validate(f: dict) -> None:
                           f"({f['local_world_size']}): start the same number of processes on every node")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

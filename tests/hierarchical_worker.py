@@ -18,7 +18,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py, when run as a script
 import paratrain as pt  # noqa: E402
 from models import make_batches, make_model, make_optimizer, reference, train_on_rank  # noqa: E402
-from paratrain.comm import ByteCounter, ring_all_reduce  # noqa: E402
+from paratrain.comm import ByteCounter  # noqa: E402
+from paratrain.ring import ring_all_reduce  # noqa: E402
 from paratrain.parallel.hierarchical import HierarchicalDataParallel  # noqa: E402
 
 STEPS, GLOBAL_BATCH = 3, 16
@@ -32,7 +33,7 @@ def train(topo, wrapper, name, accumulate, optim, caps, groups=None):
     """STEPS steps on this rank's share of each global batch; returns (state, bytes sent)."""
     kwargs = dict(find_unused_parameters=name == "unused", bucket_cap_mb_list=caps)
     if wrapper == "hierarchical":
-        model = HierarchicalDataParallel(make_model(name), topology=topo, groups=groups, **kwargs)
+        model = HierarchicalDataParallel(make_model(name), groups=groups, **kwargs)
     else:
         model = pt.DistributedDataParallel(make_model(name), **kwargs)
     train_on_rank(topo, model, make_optimizer(optim, model.parameters()), steps=STEPS,
@@ -71,7 +72,7 @@ def train_cases(topo):
 def one_backward_bytes(topo, groups):
     """Bytes of one MLP backward, one bucket: hierarchical (counted by the wrapper) and a flat
     ring all-reduce of the same gradient (counted by the reference ring)."""
-    model = HierarchicalDataParallel(make_model("mlp"), topology=topo, groups=groups)
+    model = HierarchicalDataParallel(make_model("mlp"), groups=groups)
     xs, ys = make_batches(1, GLOBAL_BATCH)
     F.cross_entropy(model(xs[0]), ys[0]).backward()
     numel = sum(p.numel() for p in model.parameters())

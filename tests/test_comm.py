@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from paratrain import comm
 from paratrain.errors import ConfigError, UsageError
+from paratrain.ring import ring_all_reduce
 from paratrain.testing import run_on_ranks
 
 # (shape, dtype, transposed): sizes not divisible by the world, both float widths, 2-D, strided
@@ -25,12 +26,12 @@ def _ring_job(topo):
         x = x.t() if transposed else x
         expected, modelled, counter = x.clone(), comm.ByteCounter(), comm.ByteCounter()
         comm.all_reduce(expected, counter=modelled)
-        sent = comm.ring_all_reduce(x, counter=counter)
+        sent = ring_all_reduce(x, counter=counter)
         results.append((x, expected, sent, counter.sent, modelled.sent))
     noisy = torch.randn(1001, generator=torch.Generator().manual_seed(topo.rank))
     reference = noisy.clone()
     dist.all_reduce(reference)
-    comm.ring_all_reduce(noisy)
+    ring_all_reduce(noisy)
     return results, (noisy, reference), _subgroup_checks(topo)
 
 
@@ -42,7 +43,7 @@ def _subgroup_checks(topo):
     if topo.rank == 0:
         return None
     x = torch.arange(10, dtype=torch.float64) * topo.rank
-    comm.ring_all_reduce(x, group=group)
+    ring_all_reduce(x, group=group)
     owner = comm.broadcast_object(topo.rank, src=1, group=group)  # group rank 1 = global rank 2
     return x, owner
 

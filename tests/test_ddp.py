@@ -142,3 +142,27 @@ def test_a_no_grad_forward_does_not_disturb_the_pending_backward():
     F.cross_entropy(model(xs[0]), ys[0]).backward()
     for a, b, ref in zip(g0, g1, model.parameters()):
         assert torch.equal(a, b) and torch.allclose(a, ref.grad, atol=1e-6)
+
+
+def _odd_world(topo, impl, find_unused, bucket_cap_mb):
+    """Five steps of a plain MLP, with the bucket caps given (None: torch's defaults)."""
+    wrap = pt.DistributedDataParallel if impl == "ours" else torch.nn.parallel.DistributedDataParallel
+    ddp = wrap(make_model("mlp"), find_unused_parameters=find_unused, bucket_cap_mb=bucket_cap_mb)
+    train_on_rank(topo, ddp, make_optimizer("sgd", ddp.parameters()), steps=5, global_batch=30)
+    return ddp.module.state_dict()
+
+
+def _odd_world_both(topo, find_unused, bucket_cap_mb):
+    return [_odd_world(topo, impl, find_unused, bucket_cap_mb) for impl in ("ours", "torch")]
+
+
+@pytest.mark.parametrize("world", [3, 5])
+@pytest.mark.parametrize("find_unused,bucket_cap_mb", [(False, None), (False, 0.0005), (True, 0.0005)])
+def test_bitwise_equal_to_torch_ddp_at_world_sizes_that_are_not_powers_of_two(world, find_unused, bucket_cap_mb):
+    # 1/N is inexact at N = 3 and 5: only the same scaling (a multiplication by 1/N) and the same
+    # bucket layout (torch's first layout, then rebuilt in arrival order after the first step,
+    # which decides the ring chunk and so the summation order of every element) give equal bits
+    for ours, theirs in run_on_ranks(_odd_world_both, world, find_unused, bucket_cap_mb):
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            assert torch.equal(ours[key], theirs[key]), f"{key}: {(ours[key] - theirs[key]).abs().max()}"

@@ -14,14 +14,14 @@ import paratrain as pt
 from paratrain.cli import _export_env, build_parser
 from paratrain.comm import broadcast_object
 from paratrain.testing import RankFailure, run_on_ranks
-from paratrain.topology import _free_port, debug_collectives_requested, destroy
+from paratrain.topology import debug_collectives_requested, destroy, free_port
 from models import make_batches, make_model
 
 
 def _debug_session(topo, by_env):
     """A fresh default group created by a debugging Session (run_on_ranks made one without), the
     checks asked for by argument or, as `paratrain run --debug-collectives` does, by environment."""
-    port = broadcast_object(_free_port() if topo.rank == 0 else None)
+    port = broadcast_object(free_port() if topo.rank == 0 else None)
     destroy()
     os.environ["MASTER_PORT"] = str(port)
     if by_env:

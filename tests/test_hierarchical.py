@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain as pt
 from paratrain.parallel.hierarchical import Hierarchical, HierarchicalDataParallel
 from paratrain.testing import assert_same_params, run_on_ranks
-from paratrain.topology import _free_port
+from paratrain.topology import free_port
 import hierarchical_worker as worker
 from models import make_batches, make_model
 
@@ -70,7 +70,7 @@ def _launch(node, port, out):
 
 def test_two_real_nodes_on_loopback(tmp_path):
     """Two `paratrain run` invocations, one per node, form one world of 4."""
-    port = _free_port()
+    port = free_port()
     nodes = [_launch(node, port, tmp_path) for node in (0, 1)]
     for proc in nodes:
         try:

@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
 from paratrain.errors import ConfigError
+from paratrain.grid import ProcessGrid
 from paratrain.parallel.model_parallel import LayersOnDevices, ModelParallel
 from paratrain.testing import assert_same_params, run_on_ranks
 from paratrain.topology import Topology
@@ -88,7 +89,7 @@ def test_misuse():
     with pytest.raises(ConfigError, match="cannot cut 9 layers into 10 stages"):
         LayersOnDevices(chain(), ["cpu"] * 10)
     with pytest.raises(ConfigError, match="runs in one process"):
-        ModelParallel(devices=("cpu", "cpu")).wrap(chain(), Topology.from_env({}, rank=0, world_size=2))
+        ModelParallel(devices=("cpu", "cpu")).setup(chain(), None, ProcessGrid(Topology.from_env({}, rank=0, world_size=2)))
     if CUDA == 0:
         with pytest.raises(ConfigError, match="has none"):
-            ModelParallel().wrap(chain(), Topology.from_env({}))
+            ModelParallel().setup(chain(), None, ProcessGrid(Topology.from_env({})))

@@ -58,14 +58,14 @@ def _train(topo, stages, schedule, m):
     sends = paratrain.comm.isend = _CountSends(paratrain.comm.isend)  # this rank's process only
     strategy = Pipeline(stages=stages, schedule=schedule, microbatches=m)
     model = chain()
-    stage = strategy.wrap(model, topo)
-    opt = strategy.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), stage, topo)
-    replicas, index = strategy.data_parallel(topo)
+    stage, opt = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                strategy.grid(topo))
+    replicas, index = stage.replicas, stage.replica_index
     xs, ys = batches()
     losses = []
     for step in range(STEPS):
         x, y = xs[step].chunk(replicas)[index], ys[step].chunk(replicas)[index]
-        losses.append(strategy.forward_backward(stage, x, y, F.cross_entropy, 1.0).item())
+        losses.append(stage.forward_backward(x, y, F.cross_entropy, 1.0).item())
         opt.step()
         opt.zero_grad()
     paratrain.comm.isend = sends.isend
@@ -187,12 +187,11 @@ def _infer(topo, stages, m):
     """One training step, then inference forwards of uneven sizes, then a forward with grad on."""
     strategy = Pipeline(stages=stages, microbatches=m)
     model = chain()
-    stage = strategy.wrap(model, topo)
-    opt = strategy.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), stage, topo)
-    replicas, index = strategy.data_parallel(topo)
+    stage, opt = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                strategy.grid(topo))
+    replicas, index = stage.replicas, stage.replica_index
     xs, ys = batches(1)
-    strategy.forward_backward(stage, xs[0].chunk(replicas)[index], ys[0].chunk(replicas)[index],
-                              F.cross_entropy, 1.0)
+    stage.forward_backward(xs[0].chunk(replicas)[index], ys[0].chunk(replicas)[index], F.cross_entropy, 1.0)
     opt.step()
     stage.eval()
     with torch.no_grad():  # 10 rows in m micro-batches that need not divide them, then 7
@@ -220,12 +219,11 @@ def _batchnorm_replicas(topo):
     model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16),
                           nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 5))
     strategy = Pipeline(stages=2, microbatches=2)
-    stage = strategy.wrap(model, topo)
-    opt = strategy.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage, topo)
-    replicas, index = strategy.data_parallel(topo)
+    stage, opt = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy.grid(topo))
+    replicas, index = stage.replicas, stage.replica_index
     xs, ys = batches()
     for x, y in zip(xs, ys):
-        strategy.forward_backward(stage, x.chunk(replicas)[index], y.chunk(replicas)[index], F.cross_entropy, 1.0)
+        stage.forward_backward(x.chunk(replicas)[index], y.chunk(replicas)[index], F.cross_entropy, 1.0)
         opt.step()
         opt.zero_grad()
     stage.eval()
@@ -289,7 +287,8 @@ def test_setup_refuses_a_loader_whose_batches_do_not_cut_into_microbatches(batch
 def _tied_across_stages(topo):
     model = chain()  # 2 stages by layers: layers 0-4 and 5-8
     model[6].weight = model[2].weight  # Linear 16→16 on stage 1 shares stage 0's weight
-    Pipeline(stages=2).wrap(model, topo)
+    strategy = Pipeline(stages=2)
+    strategy.setup(model, None, strategy.grid(topo))
 
 
 def test_weights_tied_across_stages_are_refused():
@@ -300,7 +299,7 @@ def test_weights_tied_across_stages_are_refused():
 def test_stages_must_divide_the_world():
     topo = Topology.from_env({}, rank=0, world_size=4)
     with pytest.raises(ConfigError, match=r"stages=3\) does not divide the world size 4"):
-        Pipeline(stages=3).data_parallel(topo)
+        Pipeline(stages=3).grid(topo)
 
 
 def _three_stages_on_four(topo):

@@ -113,10 +113,11 @@ def test_bf16_matches_one_process_under_autocast(strategy):
 # -- fp16: an overflow on one rank, every rank skips -------------------------------------------------
 
 # where to put the inf so that, after the gradient reduction, only rank 1 holds it: under ZeRO 1/2
-# the bucket is in reverse parameter order (net.0.weight last: rank 1's half); under ZeRO-3 the
-# flat buffer is in forward order (net.4.bias last). DDP replicates every gradient anyway. In a
-# two-stage pipeline rank 0 holds the first layers ("0" of its stage) and rank 1 the rest.
-TARGET = {"ddp": ("net.0", "weight"), "zero1": ("net.0", "weight"), "zero2": ("net.0", "weight"),
+# the bucket is in registration order, as torch's DDP lays it out (net.4.bias last: rank 1's
+# half); under ZeRO-3 the flat buffer is in forward order (net.4.bias last). DDP replicates every
+# gradient anyway. In a two-stage pipeline rank 0 holds the first layers ("0" of its stage) and
+# rank 1 the rest.
+TARGET = {"ddp": ("net.0", "weight"), "zero1": ("net.4", "bias"), "zero2": ("net.4", "bias"),
           "zero3": ("net.4", "bias"), "pipeline": ("0", "weight")}
 POISONED_STEP = 2
 

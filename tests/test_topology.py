@@ -6,7 +6,7 @@ import torch
 
 import paratrain as pt
 from paratrain.testing import RankFailure, run_on_ranks
-from paratrain.topology import _free_port, first_slurm_host
+from paratrain.topology import first_slurm_host, free_port
 
 
 def test_plain_single_process_needs_no_environment():
@@ -121,7 +121,7 @@ def _spawned(index, world, port, out):
 
 
 def test_runs_under_torch_multiprocessing_spawn(tmp_path):
-    torch.multiprocessing.spawn(_spawned, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_spawned, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     (launcher0, grad0), (_, grad1) = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
     assert launcher0 == "spawn"
     assert torch.equal(grad0, grad1) and torch.allclose(grad0, torch.ones(1, 3))  # mean of 0s and 2s

@@ -39,7 +39,7 @@ def test_zero_matches_single_process(stage, name, world, optim, accumulate):
 
 
 def _policy(name):
-    from paratrain.parallel.wrap_policy import WrapPolicy
+    from paratrain.parallel.zero.wrap_policy import WrapPolicy
     from torch import nn
     return WrapPolicy(module_classes=(nn.Linear,)) if name != "bn" else WrapPolicy(min_params=40)
 

@@ -1,26 +1,38 @@
-"""Gradient buckets: flat buffers that gradients live in, each all-reduced as one message.
+"""Gradient buckets: flat buffers that gradients live in, each reduced as one message.
 
-Parameters are assigned to buckets in reverse registration order (the order backward usually
-produces their gradients), capped in bytes: the first bucket small (1 MiB) so the first
-all-reduce starts early, the others `bucket_cap_mb` (25 MiB by default), as torch's reducer
-does (torch/csrc/distributed/c10d/reducer.cpp, `compute_bucket_assignment_by_size`).
+Layout, as torch's DDP lays them out (torch/nn/parallel/distributed.py `_build_params_for_reducer`
+and reducer.cpp `compute_bucket_assignment_by_size` / `rebuild_buckets`), so that every element is
+summed in the same ring chunk, in the same order, as under torch's DDP:
 
-Each parameter's `.grad` is a view into its bucket (Megatron-core's "grad buffer" idea), so
-after the all-reduce the averaged gradients are already where the optimizer reads them and no
-second copy of the gradients exists.
+- `assign(params, caps)` walks the parameters in the order given, one open bucket per kind
+  (dtype, device, and an optional key such as a ZeRO param group), and closes a bucket once it
+  holds at least its cap; bucket i of a kind uses caps[min(i, last)]. Buckets are listed in the
+  order they closed, then the ones left open.
+- The first layout takes the parameters in registration order, sorts the buckets by their first
+  parameter and reverses the list, so the last-registered parameters, whose gradients backward
+  usually produces first, are in the bucket launched first. When the buckets will be rebuilt, the
+  cap of this first layout is unlimited: one bucket per kind.
+- `rebuilt(order)`: after the first synchronised backward, the buckets are laid out again in the
+  order the gradients actually arrived (caps as given: 1 MiB then `bucket_cap_mb`), which is what
+  lets the first bucket launch early when registration order and backward order differ.
 
-Buckets are launched strictly in index order even when they fill out of order, so that every
-rank issues the same sequence of collectives.
+Each parameter's `.grad` is a view into its bucket (Megatron-core's "grad buffer" idea), so after
+the reduction the averaged gradients are already where the optimizer reads them and no second
+copy of the gradients exists. Buckets are launched strictly in index order even when they fill
+out of order, so that every rank issues the same sequence of collectives.
 
-Timeline of one backward (each bucket's all-reduce overlaps the rest of backward):
+The reduction is a component (`Reduction`): `AllReduce` here, hierarchical.py's three phases,
+ZeRO's reduction to the owners (zero/stage12.py). Timeline of one backward (each bucket's
+reduction overlaps the rest of backward):
 
     backward:  [grads of bucket 0][grads of bucket 1][grads of bucket 2]
-    comm:                         [all-reduce 0     ][all-reduce 1     ][all-reduce 2]
-    finish_grad_sync():                                                              wait all
+    comm:                         [reduce 0         ][reduce 1         ][reduce 2]
+    finish_grad_sync():                                                          wait all
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,8 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-FIRST_BUCKET_BYTES = 1024 * 1024
+FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_MB = 25
+UNLIMITED = [sys.maxsize]
 
 
 @dataclass
@@ -38,10 +51,9 @@ class Bucket:
 
     index: int
     params: list[nn.Parameter]
-    buffer: torch.Tensor  # (sum of numels,) in the parameters' dtype and device
+    buffer: torch.Tensor  # (sum of numels, padded) in the parameters' dtype and device
     offsets: list[int]
     pending: int = 0  # parameters whose gradient has not arrived in this backward
-    work: dist.Work | None = None  # the in-flight all-reduce
 
     def view(self, slot: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Parameter `slot`'s piece of the gradient buffer (or of another buffer of its layout)."""
@@ -49,56 +61,97 @@ class Bucket:
         return flat[self.offsets[slot]:self.offsets[slot] + p.numel()].view_as(p)
 
 
-def assign_buckets(params: list[nn.Parameter], caps_bytes: list[int],
-                   kind_of: Callable[[nn.Parameter], Any] | None = None) -> list[list[nn.Parameter]]:
-    """Group `params` (already in the desired order) into buckets of one dtype and device (and one
-    `kind_of(p)`, e.g. an optimizer param group) whose size stays under the cap; bucket i uses
-    caps_bytes[min(i, len-1)]."""
-    buckets: list[list[nn.Parameter]] = []
-    open_by_kind: dict[tuple, list[nn.Parameter]] = {}
-    size_by_kind: dict[tuple, int] = {}
+class Reduction:
+    """How full buckets are reduced. `start(bucket)` is called in bucket order as each fills;
+    `finish()` waits for every started one, after which each bucket holds the average (the
+    gradients entered their buckets already multiplied by 1/N, so a SUM is the mean)."""
+
+    pad_to: int = 1  # bucket buffers are padded to a multiple of this (equal chunks per rank)
+    rebuild: bool = True  # the buckets may be laid out again after the first backward
+
+    def key(self, p: nn.Parameter) -> Any:
+        """Parameters with different keys never share a bucket."""
+        return None
+
+    def before_fill(self, bucket: Bucket) -> None:
+        """A gradient is about to move into `bucket` (ZeRO-2 reallocates a freed buffer here)."""
+
+    def start(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class AllReduce(Reduction):
+    """DDP's reduction: one asynchronous all-reduce per bucket."""
+
+    group: dist.ProcessGroup | None = None
+    works: list[dist.Work] = field(default_factory=list)
+
+    def start(self, bucket: Bucket) -> None:
+        self.works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+
+    def finish(self) -> None:
+        for work in self.works:  # each wait honours the group's timeout
+            work.wait()
+        self.works.clear()
+
+
+def assign(params: list[nn.Parameter], caps_bytes: list[int],
+           key: Callable[[nn.Parameter], Any] | None = None) -> list[list[nn.Parameter]]:
+    """Group `params` (in the order given) into buckets of one kind, closed at their cap."""
+    closed: list[list[nn.Parameter]] = []
+    open_: dict[tuple, tuple[list[nn.Parameter], list[int]]] = {}  # kind → (bucket, [bytes])
+    count: dict[tuple, int] = {}  # buckets closed so far, per kind
     for p in params:
-        kind = (p.dtype, p.device, kind_of(p) if kind_of else None)
-        if kind not in open_by_kind:
-            open_by_kind[kind], size_by_kind[kind] = [], 0
-            buckets.append(open_by_kind[kind])
-        open_by_kind[kind].append(p)
-        size_by_kind[kind] += p.numel() * p.element_size()
-        if size_by_kind[kind] >= caps_bytes[min(len(buckets) - 1, len(caps_bytes) - 1)]:
-            del open_by_kind[kind]  # the next parameter of this kind opens a new bucket
-    return buckets
+        kind = (p.dtype, p.device, key(p) if key else None)
+        members, size = open_.setdefault(kind, ([], [0]))
+        members.append(p)
+        size[0] += p.numel() * p.element_size()
+        if size[0] >= caps_bytes[min(count.get(kind, 0), len(caps_bytes) - 1)]:
+            closed.append(members)
+            count[kind] = count.get(kind, 0) + 1
+            del open_[kind]
+    return closed + [members for members, _ in open_.values()]
+
+
+def first_layout(params: list[nn.Parameter], caps_bytes: list[int],
+                 key: Callable[[nn.Parameter], Any] | None = None) -> list[list[nn.Parameter]]:
+    """The layout before any backward: registration order, buckets reversed (module doc)."""
+    index = {p: i for i, p in enumerate(params)}
+    buckets = sorted(assign(params, caps_bytes, key), key=lambda b: index[b[0]])
+    return buckets[::-1]
 
 
 @dataclass
 class GradBuckets:
-    """The buckets of one model and their per-backward state."""
+    """The buckets of one model, their per-backward state, and the reduction they go through."""
 
     buckets: list[Bucket]
-    group: dist.ProcessGroup | None
-    world_size: int
+    reduction: Reduction
+    world_size: int  # gradients are multiplied by 1/world_size on their way in
     slot_of: dict[nn.Parameter, tuple[Bucket, int]] = field(default_factory=dict)
     next_to_launch: int = 0
-    ready: set[nn.Parameter] = field(default_factory=set)  # arrived in this backward
+    arrived: list[nn.Parameter] = field(default_factory=list)  # in this backward, in order
 
     @classmethod
-    def build(cls, params: list[nn.Parameter], caps_bytes: list[int], group, *, pad_to: int = 1,
-              kind_of: Callable[[nn.Parameter], Any] | None = None) -> "GradBuckets":
-        """Buckets for `params`; each buffer is zero-padded to a multiple of `pad_to` elements
-        (sharded strategies cut every bucket into `pad_to` equal shards)."""
+    def build(cls, layout: list[list[nn.Parameter]], reduction: Reduction, world_size: int) -> "GradBuckets":
+        """Buckets holding `layout`'s parameter lists, each buffer zero-padded to a multiple of
+        `reduction.pad_to` elements."""
         buckets = []
-        for index, members in enumerate(assign_buckets(params, caps_bytes, kind_of)):
-            offsets, total = [], 0
-            for p in members:
-                offsets.append(total)
-                total += p.numel()
-            total = -(-total // pad_to) * pad_to
+        for index, members in enumerate(layout):
+            offsets = [sum(p.numel() for p in members[:i]) for i in range(len(members))]
+            total = offsets[-1] + members[-1].numel()
+            total = -(-total // reduction.pad_to) * reduction.pad_to
             buffer = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
             buckets.append(Bucket(index, members, buffer, offsets))
-        grad_buckets = cls(buckets, group, dist.get_world_size(group))
+        grad_buckets = cls(buckets, reduction, world_size)
         for bucket in buckets:
             for slot, p in enumerate(bucket.params):
                 grad_buckets.slot_of[p] = (bucket, slot)
-                # keep an existing gradient (e.g. accumulated before wrapping) inside the bucket
+                # keep an existing gradient (accumulated before wrapping or rebuilding) in the bucket
                 if p.grad is not None:
                     bucket.view(slot).copy_(p.grad)
                     p.grad = bucket.view(slot)
@@ -107,50 +160,45 @@ class GradBuckets:
     def adopt_grad(self, p: nn.Parameter, *, average: bool = False, zero_if_missing: bool = False) -> None:
         """Make `p.grad` the bucket view: move a freshly allocated gradient in (after
         `zero_grad(set_to_none=True)` autograd allocates a new tensor), or zero the slot.
-        `average` divides by the world size on the way, so the all-reduce's SUM is the mean
-        (one pass over the gradient instead of a copy and a division; torch's reducer also
-        scales while copying, reducer.cpp `mark_variable_ready_dense`)."""
+        `average` multiplies by 1/N on the way, so the reduction's SUM is the mean (one pass over
+        the gradient instead of a copy and a division). Multiplied, not divided: torch's reducer
+        multiplies by 1/N (reducer.cpp `mark_variable_ready_dense`), and at N = 3 or 5 the two
+        differ in the last bit."""
         bucket, slot = self.slot_of[p]
+        self.reduction.before_fill(bucket)
         view = bucket.view(slot)
-        divisor = self.world_size if average else 1
+        factor = 1.0 / self.world_size if average else 1.0
         if p.grad is None:
             if zero_if_missing:
                 view.zero_()
         elif p.grad.data_ptr() == view.data_ptr():
-            if divisor != 1:
-                view.div_(divisor)
+            if factor != 1.0:
+                view.mul_(factor)
         else:
-            torch.div(p.grad, divisor, out=view)
+            torch.mul(p.grad, factor, out=view)
             p.grad = view
 
     def reset(self) -> None:
         """Forget the previous backward: every parameter is pending again."""
         for bucket in self.buckets:
-            bucket.pending, bucket.work = len(bucket.params), None
+            bucket.pending = len(bucket.params)
         self.next_to_launch = 0
-        self.ready.clear()
+        self.arrived.clear()
 
     def mark_ready(self, p: nn.Parameter) -> None:
         """`p`'s gradient is final for this backward; launch every bucket that is now complete."""
         bucket, _ = self.slot_of[p]
-        self.ready.add(p)
+        self.arrived.append(p)
         bucket.pending -= 1
         while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].pending == 0:
-            self.start_grad_sync(self.buckets[self.next_to_launch])
+            self.reduction.start(self.buckets[self.next_to_launch])
             self.next_to_launch += 1
 
-    def start_grad_sync(self, bucket: Bucket) -> None:
-        # every gradient in the bucket was divided by the world size as it arrived (adopt_grad):
-        # the SUM is the mean, and summing pre-divided values cannot overflow in fp16
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-
     def finish_grad_sync(self) -> None:
-        """Wait for every launched all-reduce (each wait honours the group's timeout)."""
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                bucket.work = None
+        """Wait for every launched reduction."""
+        self.reduction.finish()
 
     def missing(self) -> list[nn.Parameter]:
         """Parameters whose gradient has not arrived in this backward."""
-        return [p for b in self.buckets for p in b.params if p not in self.ready]
+        arrived = set(self.arrived)
+        return [p for b in self.buckets for p in b.params if p not in arrived]

@@ -3,40 +3,42 @@
 Algorithm (Li et al., "PyTorch Distributed", VLDB 2020; torch/nn/parallel/distributed.py):
 
 - Construction: check every rank holds the same parameter shapes, broadcast rank 0's
-  parameters and buffers, and lay the gradients out in buckets (see buckets.py).
+  parameters and buffers, and lay the gradients out in buckets (buckets.py).
 - Forward: broadcast rank 0's buffers (BatchNorm statistics) so all replicas agree; with
   `find_unused_parameters`, walk the autograd graph from the outputs to find the parameters
-  this forward did not use.
-- Backward: a post-accumulate-grad hook fires on each parameter once its gradient is final;
-  it moves the gradient into its bucket and marks it ready. A full bucket starts an async
-  all-reduce while backward goes on. A callback queued on the autograd engine runs when backward
-  ends: it waits for every all-reduce, so `.grad` holds the average when `backward()` returns.
+  this forward did not use; tell the gradient sync (grad_sync.py) whether the coming backward
+  synchronises.
+- Backward: grad_sync.py's hooks move each final gradient into its bucket and start a full
+  bucket's reduction while backward goes on; when backward ends `.grad` holds the average.
 - `no_sync()`: forwards and backwards inside it only accumulate, in the buckets, locally.
 
-The constructor takes the arguments of `torch.nn.parallel.DistributedDataParallel`, and the
-wrapped model sits at `.module`, so state-dict keys match torch's and porting a script means
-changing one import.
+The reduction of a bucket is a component (`reduction=`): an all-reduce by default; hierarchical
+data parallel and ZeRO stages 1-2 pass their own. The constructor otherwise takes the arguments of
+`torch.nn.parallel.DistributedDataParallel`, and the wrapped model sits at `.module`, so
+state-dict keys match torch's and porting a script means changing one import.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
 from paratrain.comm import broadcast_coalesced
 from paratrain.errors import ConfigError, UsageError
-from paratrain.parallel.buckets import DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, GradBuckets
+from paratrain.grid import ProcessGrid
+from paratrain.parallel.base import ParallelModule, Strategy, owned
+from paratrain.parallel.buckets import DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, AllReduce, Reduction
+from paratrain.parallel.grad_sync import GradSync
 
 _UNSUPPORTED = ("delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision")
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(ParallelModule):
     """Data parallelism across processes. Arguments as torch's DistributedDataParallel:
 
     module: the model, already on this rank's device.
@@ -44,11 +46,14 @@ class DistributedDataParallel(nn.Module):
     broadcast_buffers / forward_sync_buffers: broadcast rank 0's buffers at every forward.
     init_sync: check shapes and broadcast rank 0's parameters and buffers at construction.
     process_group / device_mesh: the data-parallel group (default: the whole world).
-    bucket_cap_mb / bucket_cap_mb_list: bucket size cap(s) in MiB.
+    bucket_cap_mb / bucket_cap_mb_list: bucket size cap(s) in MiB (torch's defaults: the first
+        bucket 1 MiB, the others 25; a given cap applies to every bucket).
     find_unused_parameters: allow parameters that get no gradient in some iterations.
     gradient_as_bucket_view: accepted; gradients are always views into the buckets here.
     Accepted and ignored as in torch, with no effect on results: output_device, dim,
     check_reduction, static_graph, skip_all_reduce_unused_params, batched_grad_copy.
+    reduction (paratrain's own, keyword only): how each bucket is reduced over the group
+        (buckets.Reduction; default an all-reduce).
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
@@ -56,51 +61,40 @@ class DistributedDataParallel(nn.Module):
                  find_unused_parameters=False, check_reduction=False, gradient_as_bucket_view=False,
                  static_graph=False, delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
-                 bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None):
+                 bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None, *,
+                 reduction: Reduction | None = None):
         super().__init__()
-        given = dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
-                     param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision)
-        for name in _UNSUPPORTED:
-            if given[name] is not None:
-                raise ConfigError(f"paratrain.DistributedDataParallel does not support {name}; "
-                                  "remove it (for mixed precision, wrap the forward in torch.autocast, "
-                                  "or use ZeRO stage 3's param_dtype)")
+        _refuse_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
+                            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision)
         if not dist.is_initialized():
             raise UsageError("DistributedDataParallel needs the default process group: call "
                              "paratrain.Topology.from_env().init() (or use paratrain.Session) first")
         self.module = module
         self.process_group = device_mesh.get_group() if device_mesh is not None else process_group
+        self.replicas = dist.get_world_size(self.process_group)
+        self.replica_index = dist.get_rank(self.process_group)
         self.device_ids = device_ids
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = _buffer_sync_flag(broadcast_buffers, forward_sync_buffers)
-        self.require_backward_grad_sync = True  # False inside no_sync(), read at forward time
         self._require_forward_param_sync = True  # broadcast buffers at the next forward
         self._params = [p for p in module.parameters() if p.requires_grad]
         if not self._params:
             raise ConfigError("the module has no parameter that requires a gradient; "
                               "DistributedDataParallel has nothing to synchronise")
-        self._names = {p: n for n, p in module.named_parameters()}
         if init_sync:
             self._check_same_model_everywhere()
             broadcast_coalesced(list(module.parameters()), self.process_group)
             if broadcast_buffers is not False:
                 broadcast_coalesced(list(module.buffers()), self.process_group)
-        caps = [FIRST_BUCKET_BYTES] + [int((bucket_cap_mb or DEFAULT_BUCKET_MB) * 2**20)]
-        if bucket_cap_mb_list:
-            caps = [int(mb * 2**20) for mb in bucket_cap_mb_list]
-        self._buckets = self._build_buckets(list(reversed(self._params)), caps)
-        self._sync_this_backward = False  # decided by the forward that built the graph
-        self._in_backward = False
-        self._unused: list[nn.Parameter] = []
-        # Hooks are the mechanism: each fires once per backward, after autograd has summed
-        # all contributions into p.grad (tied weights included), so p.grad is final.
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self._grad_sync = GradSync(self._params, {p: n for n, p in module.named_parameters()},
+                                   self.process_group, reduction=reduction or AllReduce(self.process_group),
+                                   caps=_caps(bucket_cap_mb, bucket_cap_mb_list),
+                                   find_unused=find_unused_parameters)
 
-    def _build_buckets(self, params: list[nn.Parameter], caps: list[int]) -> GradBuckets:
-        """The bucket layout and reduction; sharded data parallel (zero.py) overrides it."""
-        return GradBuckets.build(params, caps, self.process_group)
-
-    # -- forward -------------------------------------------------------------------------------
+    @property
+    def _buckets(self):
+        """The gradient buckets (their layout changes once, after the first synchronised backward)."""
+        return self._grad_sync.buckets
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.device_ids:
@@ -113,72 +107,13 @@ class DistributedDataParallel(nn.Module):
         if torch.is_grad_enabled():  # a no-grad forward (evaluation) builds no backward to plan
             # as torch's DDP (`_post_forward`): the forward after a no_sync() forward skips the
             # buffer broadcast, so accumulation costs no communication at all
-            self._require_forward_param_sync = self.require_backward_grad_sync
-            self._sync_this_backward = self.require_backward_grad_sync
-            self._in_backward = False
-            self._unused = []
-            if self._sync_this_backward and self.find_unused_parameters:
+            sync = self._require_forward_param_sync = self.require_backward_grad_sync
+            unused = []
+            if sync and self.find_unused_parameters:
                 used = _params_reached_from(output)
-                self._unused = [p for p in self._params if p not in used]
+                unused = [p for p in self._params if p not in used]
+            self._grad_sync.prepare(sync, unused)
         return output
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, with no communication, for the forwards and backwards
-        inside; the first backward after it averages everything accumulated."""
-        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
-
-    # -- backward ------------------------------------------------------------------------------
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        # fires on the autograd thread, in the middle of backward
-        if not self._sync_this_backward:
-            self._buckets.adopt_grad(p)
-            return
-        if not self._in_backward:
-            self._start_backward()
-        self._buckets.adopt_grad(p, average=True)
-        self._buckets.mark_ready(p)
-
-    def _start_backward(self) -> None:
-        self._in_backward = True
-        self._buckets.reset()
-        # runs once, when the whole backward pass has finished
-        Variable._execution_engine.queue_callback(self._finish_backward)
-        for p in self._unused:  # contribute what they hold (zero if nothing) to the average
-            self._buckets.adopt_grad(p, average=True, zero_if_missing=True)
-            self._buckets.mark_ready(p)
-
-    def _finish_backward(self) -> None:
-        self._in_backward = False
-        missing = self._buckets.missing()
-        self._buckets.finish_grad_sync()
-        if missing:
-            names = ", ".join(self._names.get(p, "?") for p in missing[:10])
-            advice = ("they were reached from the model's outputs but not from the loss: use every "
-                      "output in the loss" if self.find_unused_parameters else
-                      "pass find_unused_parameters=True to DistributedDataParallel (or pt.DDP)")
-            raise UsageError(f"{len(missing)} parameter(s) got no gradient in this backward: {names}; "
-                             f"{advice}, or remove them from the model (or set requires_grad=False)")
-        if self.find_unused_parameters:  # on every rank: which parameters are unused differs
-            self._settle_unused()
-
-    def _settle_unused(self) -> None:
-        """A parameter that this rank did not use but another did (in any micro-batch since the
-        last sync: then it holds a gradient) gets the average as its gradient; one that no rank
-        used keeps None, as in torch, so optimizers skip it exactly as single-process training
-        would. Collective: one small all-reduce of a used-bitmap."""
-        used = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32,
-                            device=self._params[0].device)
-        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group)
-        for p, anywhere in zip(self._params, used.tolist()):
-            if anywhere and p.grad is None:
-                bucket, slot = self._buckets.slot_of[p]
-                p.grad = bucket.view(slot)
 
     def _check_same_model_everywhere(self) -> None:
         shapes = [tuple(p.shape) for p in self.module.parameters()]
@@ -186,12 +121,51 @@ class DistributedDataParallel(nn.Module):
                                   hash(tuple(shapes)) % (2**31)], dtype=torch.int64)
         if self._params[0].device.type == "cuda":
             signature = signature.cuda()
-        everyone = [torch.zeros_like(signature) for _ in range(dist.get_world_size(self.process_group))]
+        everyone = [torch.zeros_like(signature) for _ in range(self.replicas)]
         dist.all_gather(everyone, signature, group=self.process_group)
         for rank, other in enumerate(everyone):
             if not torch.equal(other, everyone[0]):
                 raise ConfigError(f"rank {rank} holds a model with different parameter shapes from "
                                   "rank 0; every rank must build the same model before wrapping it")
+
+
+@dataclass(frozen=True)
+class DDP(Strategy):
+    """Data parallel, one process per device, gradients all-reduced in buckets during backward."""
+
+    name = "ddp"
+    bucket_cap_mb: float | None = None  # size cap of every gradient bucket (None: 1 MiB first, then 25)
+    find_unused_parameters: bool = False  # allow parameters that get no gradient in a step
+    broadcast_buffers: bool = True  # broadcast rank 0's buffers (BatchNorm statistics) each forward
+
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
+        wrapped = DistributedDataParallel(model.to(grid.topology.device), **self.ddp_kwargs(grid))
+        return wrapped, owned(optimizer, model)
+
+    def ddp_kwargs(self, grid: ProcessGrid) -> dict:
+        """The DistributedDataParallel arguments these settings stand for."""
+        device = grid.topology.device
+        return dict(device_ids=[device.index] if device.type == "cuda" else None,
+                    bucket_cap_mb=self.bucket_cap_mb, find_unused_parameters=self.find_unused_parameters,
+                    broadcast_buffers=self.broadcast_buffers)
+
+
+def _refuse_unsupported(**given) -> None:
+    for name in _UNSUPPORTED:
+        if given[name] is not None:
+            raise ConfigError(f"paratrain.DistributedDataParallel does not support {name}; "
+                              "remove it (for mixed precision, wrap the forward in torch.autocast, "
+                              "or use ZeRO stage 3's param_dtype)")
+
+
+def _caps(bucket_cap_mb: float | None, bucket_cap_mb_list: list[float] | None) -> list[int]:
+    """Bucket caps in bytes, as torch's `BucketCapacityConfig`: a given cap applies to every
+    bucket; only the default has a small (1 MiB) first bucket, so its all-reduce starts early."""
+    if bucket_cap_mb_list:
+        return [int(mb * 2**20) for mb in bucket_cap_mb_list]
+    if bucket_cap_mb is None:
+        return [FIRST_BUCKET_BYTES, DEFAULT_BUCKET_MB * 2**20]
+    return [int(bucket_cap_mb * 2**20)]
 
 
 def _buffer_sync_flag(broadcast_buffers, forward_sync_buffers) -> bool:

@@ -36,25 +36,27 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from paratrain.errors import ConfigError
-from paratrain.strategy import Strategy
-from paratrain.topology import Topology
+from paratrain.grid import ProcessGrid
+from paratrain.parallel.base import LossFn, ParallelModule, Strategy, owned
 
 Device = torch.device | str | int
 
 
-class DataParallel(nn.Module):
+class DataParallel(ParallelModule):
     """`module` run on `devices` at once, from one process.
 
     module: the model, on `devices[0]` (its parameters live there; gradients arrive there).
     devices: the devices to use, e.g. ["cuda:0", "cuda:1"] or ["cpu", "cpu"]; an int is a
         CUDA index. Default: every visible CUDA device.
     output_device: where outputs (plain mode) or losses (balanced mode) are gathered; devices[0].
+    balanced: a Session's train_step computes the loss on each replica (`loss`), not on the
+        gathered outputs.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[Device] | None = None,
-                 output_device: Device | None = None):
+                 output_device: Device | None = None, *, balanced: bool = False):
         super().__init__()
-        self.module = module
+        self.module, self.balanced = module, balanced
         self.devices = [_device(d) for d in (devices if devices is not None else _all_cuda())]
         if not self.devices:
             raise ConfigError("DataParallel needs at least one device: pass devices=['cuda:0', "
@@ -72,7 +74,14 @@ class DataParallel(nn.Module):
         outputs = parallel_apply(replicate(self.module, self.devices[: len(chunks)]), chunks)
         return gather(outputs, self.output_device)
 
-    def loss(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def forward_backward(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
+        if not self.balanced:
+            return super().forward_backward(inputs, targets, loss_fn, scale)
+        loss = self.loss(inputs, targets, loss_fn)
+        (loss * scale).backward()
+        return loss.detach()
+
+    def loss(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         """Balanced mode: `loss_fn(outputs, targets)` on each replica; returns the mean over the
         batch as a scalar on the output device. `loss_fn` must return a mean over its samples
         (as cross_entropy and mse_loss do by default), so chunk means weighted by chunk sizes
@@ -179,23 +188,13 @@ class DP(Strategy):
     output_device: str | None = None  # where outputs or losses are gathered; None: devices[0]
     balanced: bool = False  # compute the loss on each replica, gather only scalars
 
-    def wrap(self, model: nn.Module, topology: Topology) -> nn.Module:
-        if topology.world_size > 1:
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
+        if grid.topology.world_size > 1:
             raise ConfigError(f"strategy 'dp' drives several devices from one process, but this job "
-                              f"has {topology.world_size}; start one process, or use strategy='ddp'")
+                              f"has {grid.topology.world_size}; start one process, or use strategy='ddp'")
         devices = list(self.devices) if self.devices else (_all_cuda() or ["cpu"])
-        return DataParallel(model.to(_device(devices[0])), devices, self.output_device)
-
-    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any,
-                         loss_fn: Callable[[Any, Any], torch.Tensor], scale: float) -> torch.Tensor:
-        if not self.balanced:
-            return super().forward_backward(model, inputs, targets, loss_fn, scale)
-        loss = model.loss(inputs, targets, loss_fn)
-        (loss * scale).backward()
-        return loss.detach()
-
-    def data_parallel(self, topology: Topology) -> tuple[int, int]:
-        return 1, 0  # one process reads the whole global batch and scatters it itself
+        wrapped = DataParallel(model.to(_device(devices[0])), devices, self.output_device, balanced=self.balanced)
+        return wrapped, owned(optimizer, model)
 
 
 def _rows(chunk: Any) -> int:

@@ -18,9 +18,8 @@ The gradients are pre-divided by N as they enter their bucket (buckets.py), so t
 
 Reuse: `HierarchicalDataParallel` *is* our `DistributedDataParallel` (hooks, buckets as gradient
 views, no_sync, unused parameters, buffer broadcast); only the per-bucket reduction differs, so
-`HierarchicalBuckets` subclasses `GradBuckets` and overrides the `start_grad_sync` /
-`finish_grad_sync` pair (DDP builds it through `_build_buckets`). The three phases of one
-bucket depend on each other, but several buckets are in flight at once, each a phase behind the one launched after it:
+it passes DDP a `HierarchicalReduction` (buckets.Reduction's `start` / `finish` pair). The three
+phases of one bucket depend on each other, but several buckets are in flight at once, each a phase behind the one launched after it:
 
     launch of bucket:   0        1                2                3        backward ends
     intra (phase 1):  [rs 0]   [rs 1]           [rs 2]           [rs 3]
@@ -43,10 +42,10 @@ from torch import nn
 
 from paratrain.comm import ByteCounter, all_gather_single, reduce_scatter_single, ring_bytes
 from paratrain.errors import ConfigError
-from paratrain.parallel.buckets import Bucket, GradBuckets
-from paratrain.parallel.ddp import DistributedDataParallel
-from paratrain.strategy import DDP
-from paratrain.topology import NodeGroups, Topology, node_groups
+from paratrain.grid import NodeGroups, ProcessGrid
+from paratrain.parallel.base import owned
+from paratrain.parallel.buckets import Bucket, Reduction
+from paratrain.parallel.ddp import DDP, DistributedDataParallel
 
 INTRA_REDUCE_SCATTER, INTER_ALL_REDUCE, INTRA_ALL_GATHER, DONE = range(4)  # a bucket's phases
 
@@ -71,25 +70,25 @@ class _InFlight:
 
 
 @dataclass
-class HierarchicalBuckets(GradBuckets):
-    """`GradBuckets` whose per-bucket reduction is reduce-scatter / all-reduce / all-gather."""
+class HierarchicalReduction(Reduction):
+    """A bucket's reduction as reduce-scatter / all-reduce / all-gather (module docstring)."""
 
-    groups: NodeGroups | None = None
+    groups: NodeGroups
     counters: HierarchicalBytes = field(default_factory=HierarchicalBytes)
     in_flight: dict[int, _InFlight] = field(default_factory=dict)  # by bucket index
 
-    def reset(self) -> None:
-        super().reset()
-        self.in_flight.clear()
+    @property
+    def pad_to(self) -> int:  # each buffer splits into one equal chunk per local rank
+        return len(self.groups.intra_ranks)
 
-    def start_grad_sync(self, bucket: Bucket) -> None:
+    def start(self, bucket: Bucket) -> None:
         # Called in bucket-index order on every rank (GradBuckets.mark_ready); see the timeline.
         for earlier in list(self.in_flight.values()):
             if earlier.phase < INTRA_ALL_GATHER:
                 self._advance(earlier)
         self.in_flight[bucket.index] = self._reduce_scatter(bucket)
 
-    def finish_grad_sync(self) -> None:
+    def finish(self) -> None:
         """Drive every launched bucket through its remaining phases, in bucket order; then each
         bucket (which the parameters' `.grad` views) holds the world's mean."""
         for index in sorted(self.in_flight):
@@ -131,34 +130,23 @@ class HierarchicalDataParallel(DistributedDataParallel):
     """`DistributedDataParallel` over the whole world whose gradients take the hierarchical path.
 
     module: the model, already on this rank's device.
-    topology: where this rank sits (nodes, processes per node); the node groups are built from it
-        (collective: every rank constructs its wrapper at the same point).
-    groups: node groups made earlier with `paratrain.node_groups(topology)`, to share them.
+    groups: this rank's node groups, from `session.grid.node_groups()` or
+        `paratrain.node_groups(topology)` (collective: every rank makes them at the same point).
     Every other keyword is `DistributedDataParallel`'s (bucket_cap_mb, find_unused_parameters,
     broadcast_buffers, device_ids, …) except process_group: the world is always the group.
     """
 
-    def __init__(self, module: nn.Module, *, topology: Topology, groups: NodeGroups | None = None,
-                 **ddp_kwargs: Any):
+    def __init__(self, module: nn.Module, *, groups: NodeGroups, **ddp_kwargs: Any):
         if ddp_kwargs.get("process_group") is not None or ddp_kwargs.get("device_mesh") is not None:
             raise ConfigError("HierarchicalDataParallel reduces over the whole world through the "
                               "node groups; drop process_group / device_mesh")
-        if groups is None and dist.is_initialized():  # else DDP's constructor says what to do
-            groups = node_groups(topology)
-        self.groups = groups  # before DDP's constructor, which builds the buckets with them
-        super().__init__(module, **ddp_kwargs)
-
-    def _build_buckets(self, params: list[nn.Parameter], caps: list[int]) -> HierarchicalBuckets:
-        """DDP's buckets, each padded to split into one equal chunk per local rank."""
-        local = len(self.groups.intra_ranks)
-        buckets = HierarchicalBuckets.build(params, caps, self.process_group, pad_to=local)
-        buckets.groups = self.groups
-        return buckets
+        self._reduction = HierarchicalReduction(groups)
+        super().__init__(module, reduction=self._reduction, **ddp_kwargs)
 
     @property
     def bytes_sent(self) -> HierarchicalBytes:
         """Bytes this rank has sent inside its node and across nodes, summed over backwards."""
-        return self._buckets.counters
+        return self._reduction.counters
 
 
 @dataclass(frozen=True)
@@ -168,5 +156,7 @@ class Hierarchical(DDP):
 
     name = "hierarchical"
 
-    def _wrapper(self, model: nn.Module, topology: Topology, **ddp_kwargs) -> nn.Module:
-        return HierarchicalDataParallel(model, topology=topology, **ddp_kwargs)
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
+        wrapped = HierarchicalDataParallel(model.to(grid.topology.device), groups=grid.node_groups(),
+                                           **self.ddp_kwargs(grid))
+        return wrapped, owned(optimizer, model)

@@ -19,18 +19,18 @@ except in layers that mix rows (BatchNorm sees each micro-batch's statistics, as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
+from paratrain.grid import ProcessGrid
+from paratrain.parallel.base import LossFn, ParallelModule, Strategy, owned
 from paratrain.parallel.pipeline.partition import BALANCES, layer_costs, split_model
-from paratrain.strategy import Strategy
-from paratrain.topology import Topology
 
 
-class LayersOnDevices(nn.Module):
+class LayersOnDevices(ParallelModule):
     """`model` (an nn.Sequential, or a list of parts) cut into len(devices) parts, part k on
     devices[k]. The user's model stays at `.module`, so state-dict keys are "module." + its keys.
 
@@ -70,6 +70,12 @@ class LayersOnDevices(nn.Module):
                               f"{x.shape[0]}: use a batch size that is a multiple of {self.microbatches}")
         return torch.cat(self._ticks(list(x.chunk(self.microbatches))))
 
+    def forward_backward(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
+        """The loss is computed where the output lands, the last device."""
+        if torch.is_tensor(targets):
+            targets = targets.to(self.output_device)
+        return super().forward_backward(inputs, targets, loss_fn, scale)
+
     def _ticks(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Tick t: part k runs micro-batch t - k. Later parts are queued first within a tick, so
         the device that has waited longest gets its work first."""
@@ -97,25 +103,13 @@ class ModelParallel(Strategy):
         if self.balance not in BALANCES[:2]:
             raise ConfigError(f"balance must be 'layers' or 'params'; got {self.balance!r}")
 
-    def wrap(self, model: nn.Module, topology: Topology) -> LayersOnDevices:
-        if topology.world_size > 1:
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
+        if grid.topology.world_size > 1:
             raise ConfigError(f"strategy 'model-parallel' runs in one process, but this job has "
-                              f"{topology.world_size}; start one process, or use "
+                              f"{grid.topology.world_size}; start one process, or use "
                               "pt.Pipeline(stages=...) to spread stages over processes")
-        return LayersOnDevices(model, self._devices(), microbatches=self.microbatches,
-                               balance=self.balance)
-
-    def forward_backward(self, model: LayersOnDevices, inputs: Any, targets: Any,
-                         loss_fn: Callable[[Any, Any], torch.Tensor], scale: float) -> torch.Tensor:
-        """The loss is computed where the output lands, the last device."""
-        if torch.is_tensor(targets):
-            targets = targets.to(model.output_device)
-        loss = loss_fn(model(inputs), targets)
-        (loss * scale).backward()
-        return loss.detach()
-
-    def data_parallel(self, topology: Topology) -> tuple[int, int]:
-        return 1, 0
+        wrapped = LayersOnDevices(model, self._devices(), microbatches=self.microbatches, balance=self.balance)
+        return wrapped, owned(optimizer, model)
 
     def _devices(self) -> tuple[str, ...]:
         if self.devices is not None:

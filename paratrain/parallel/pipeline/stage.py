@@ -13,11 +13,13 @@ input for the previous stage. Each records an `Event` (timeline.py).
 
 Gradients: micro-batch losses are scaled by 1/m, so m micro-batches of the mean loss sum to the
 mean over the whole batch, exactly as one device computes it. With data parallelism, replicas of
-the same stage average their gradients once per step, after the schedule has flushed (as
-GPipe does, Huang et al. 2019, section 2.2): one all-reduce over the data-parallel group, skipped
-inside `no_sync()` so gradient accumulation communicates only on the last micro-step. Buffers
-(BatchNorm statistics) go the other way, as in torch's DDP: replicas take replica 0's before the
-forward of each optimizer step and before inference.
+the same stage average their gradients once per step (as GPipe does, Huang et al. 2019, section
+2.2) through DDP's bucketed path (grad_sync.py): during the backward of the step's last
+micro-batch, each full bucket's all-reduce starts while that backward goes on; the stage sends its
+input's gradient on, and only then `finish_step` waits for them. Skipped inside `no_sync()`, so
+gradient accumulation communicates only on the last micro-step. Buffers (BatchNorm statistics) go
+the other way, as in torch's DDP: replicas take replica 0's before the forward of each optimizer
+step and before inference.
 
 Inference is the module's own `forward(x)` under torch.no_grad(): every stage, forward only, the
 output broadcast to the whole pipeline.
@@ -25,9 +27,8 @@ output broadcast to the whole pipeline.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -35,13 +36,17 @@ from torch import nn
 
 from paratrain import comm
 from paratrain.errors import ConfigError, UsageError
+from paratrain.optim import clip_grad_norm_over
+from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule
+from paratrain.parallel.buckets import DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, AllReduce
+from paratrain.parallel.grad_sync import GradSync
 from paratrain.parallel.pipeline.p2p import StageLinks, broadcast_output
 from paratrain.parallel.pipeline.timeline import Event, Kind
 
 Schedule = Callable[["PipelineStage", int], None]
 
 
-class PipelineStage(nn.Module):
+class PipelineStage(ParallelModule):
     """Stage `stage` of `stages`: `module` runs here; `schedule` orders its micro-batches.
 
     pipe_group: the ranks of this pipeline (one per stage), in stage order.
@@ -49,7 +54,7 @@ class PipelineStage(nn.Module):
     device: where this stage's layers, activations and gradients live.
     """
 
-    is_pipeline = True  # holds one stage, not the model (Session refuses weight= for now)
+    supports_token_weights = False  # micro-batches are cut inside the schedule (Session refuses weight=)
 
     def __init__(self, module: nn.Module, *, stage: int, stages: int, schedule: Schedule,
                  microbatches: int, pipe_group: dist.ProcessGroup | None,
@@ -60,7 +65,10 @@ class PipelineStage(nn.Module):
         self.schedule = schedule
         self.pipe_group, self.dp_group = pipe_group, dp_group
         self.links = StageLinks(pipe_group, stage, stages, device)
-        self.require_grad_sync = True  # False inside no_sync()
+        self.replicas = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.replica_index = dist.get_rank(dp_group) if dp_group is not None else 0
+        self._grad_sync = self._replica_sync() if self.replicas > 1 else None
+        self._model_shapes: dict[str, torch.Size] | None = None  # gathered on first use
         self._buffers_stale = True  # broadcast replica 0's buffers at the next forward (as DDP)
         self.events: list[Event] = []  # what this stage ran in the last step
         self._stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # i → (input, output)
@@ -95,7 +103,7 @@ class PipelineStage(nn.Module):
     # -- one step --------------------------------------------------------------------------------
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
-                         loss_fn: Callable[[Any, Any], torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+                         loss_fn: LossFn, scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of one batch through the whole pipeline, by the schedule.
         Every stage passes the same batch. Returns the batch's mean loss on every stage."""
         self.start_step(inputs, targets, loss_fn, scale)
@@ -103,7 +111,7 @@ class PipelineStage(nn.Module):
         return self.finish_step()
 
     def start_step(self, inputs: torch.Tensor, targets: torch.Tensor,
-                   loss_fn: Callable[[Any, Any], torch.Tensor], scale: float) -> None:
+                   loss_fn: LossFn, scale: float) -> None:
         """Cut the batch into `microbatches` equal micro-batches; the loss of each is scaled by
         scale / microbatches."""
         if not (torch.is_tensor(inputs) and torch.is_tensor(targets)):
@@ -121,17 +129,17 @@ class PipelineStage(nn.Module):
         self._losses, self.events = [], []
         self._stash.clear()  # a step that raised may have left activations behind
         self._sync_buffers()
-        self._buffers_stale = self.require_grad_sync  # the step after a no_sync() one skips it
+        self._buffers_stale = self.require_backward_grad_sync  # the step after a no_sync() one skips it
         self.links.begin(tuple(self._inputs[0].shape), m)
 
     def finish_step(self) -> torch.Tensor:
-        """Wait for this step's sends, average gradients over replicas (unless in no_sync), and
-        return the mean loss of the batch, broadcast from the last stage to every stage."""
+        """Wait for this step's sends and for the replicas' gradient all-reduces, and return the
+        mean loss of the batch, broadcast from the last stage to every stage."""
         self.links.wait_sends()
         if self._stash:
             raise UsageError(f"the schedule left micro-batches {sorted(self._stash)} without backward")
-        if self.require_grad_sync:
-            self.sync_grads()
+        if self._grad_sync is not None:
+            self._grad_sync.finish()
         # float32 everywhere: a broadcast needs the same dtype on every rank
         loss = torch.stack(self._losses).float().mean() if self.links.is_last else \
             torch.zeros((), device=self.links.device)
@@ -162,6 +170,9 @@ class PipelineStage(nn.Module):
         starts from its scaled loss); return the gradient of its input (None on the first)."""
         start = time.perf_counter()
         x, y = self._stash.pop(i)
+        if self._grad_sync is not None:  # the step's last backward averages over the replicas
+            last = i == self.microbatches - 1
+            self._grad_sync.prepare(self.require_backward_grad_sync and last, unused=None)
         if g is None:
             (y * self._scale).backward()
         else:
@@ -180,45 +191,55 @@ class PipelineStage(nn.Module):
 
     # -- replicas ----------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Steps inside accumulate gradients locally; the first step after averages them all."""
-        previous, self.require_grad_sync = self.require_grad_sync, False
-        try:
-            yield
-        finally:
-            self.require_grad_sync = previous
-
     def _sync_buffers(self) -> None:
         """Replicas of a stage take replica 0's buffers (BatchNorm statistics) before a forward,
         as torch's DDP does with rank 0's: once per optimizer step, and before inference."""
         if self._buffers_stale and self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             comm.broadcast_coalesced(list(self.module.buffers()), self.dp_group)
 
-    def sync_grads(self) -> None:
-        """Average this stage's gradients over its replicas: one all-reduce per dtype. A
-        parameter without a gradient counts as zero where another replica has one, and keeps
-        None where no replica has one (so the optimizer skips it, as one process would)."""
-        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
-            return
+    def _replica_sync(self) -> GradSync:
+        """DDP's bucketed gradient averaging over this stage's replicas. Which parameters take
+        part in the last micro-batch is not known before its backward: those that do not count
+        as zero where another replica has a gradient, and keep None where none has one."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
-                                device=self.links.device)
-        comm.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=self.dp_group)
-        params = [p for p, anywhere in zip(params, has_grad.tolist()) if anywhere]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, group=self.dp_group, average=True)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        names = {p: n for n, p in self.module.named_parameters()}
+        return GradSync(params, names, self.dp_group, reduction=AllReduce(self.dp_group),
+                        caps=[FIRST_BUCKET_BYTES, DEFAULT_BUCKET_MB * 2**20], find_unused=True,
+                        finish_in_backward=False)
+
+    # -- the protocol (parallel/base.py) ---------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over all stages' gradients: squares summed over the pipeline group
+        (replicas hold equal gradients after their all-reduce, so they are counted once)."""
+        grads, group = self.local_grads()
+        return clip_grad_norm_over(grads, max_norm, group)
+
+    def local_grads(self) -> tuple[list[torch.Tensor], Any]:
+        """This stage's gradients; the other stages' are on the other ranks of the pipeline
+        (replicas of a stage hold equal ones after their all-reduce, so every pipeline reaches
+        the same verdict)."""
+        return [p.grad for p in self.module.parameters() if p.grad is not None], self.pipe_group
+
+    def check_loader(self, loader: Any) -> None:
+        """Fail at setup, not at the end of the first epoch: every batch a replica reads (the
+        epoch's last one too, unless the loader drops it) must cut into equal micro-batches."""
+        batch, m = loader.batch_size, self.microbatches
+        if batch % m:
+            raise ConfigError(f"Pipeline(microbatches={m}) cuts each replica's batch into {m} equal "
+                              f"micro-batches, but each replica reads batches of {batch}: make the "
+                              f"loader's batch size a multiple of {m} × the replicas, or change microbatches")
+        samples = len(loader.sampler) if hasattr(loader.sampler, "__len__") else None
+        last = samples % batch if samples is not None and not loader.drop_last else 0
+        if last % m:
+            raise ConfigError(f"the last batch of each epoch holds {last} samples per replica, which "
+                              f"Pipeline(microbatches={m}) cannot cut into {m} equal micro-batches: "
+                              "pass DataLoader(..., drop_last=True), or a batch size that divides "
+                              "the dataset")
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        """This stage's parameters, whole; the shapes of the whole model's."""
+        return CheckpointLayout.whole(self.module, shapes=self.model_shapes())
 
     def gather_events(self) -> list[Event]:
         """Every stage's events of the last step, on every rank of the pipeline (collective)."""
@@ -235,7 +256,7 @@ class PipelineStage(nn.Module):
     def model_shapes(self) -> dict[str, torch.Size]:
         """Name → shape of every parameter of the whole model, in stage order (collective over
         the pipeline the first time): what a checkpoint records to recognise its model."""
-        if not hasattr(self, "_model_shapes"):
+        if self._model_shapes is None:
             mine = {n: p.shape for n, p in self.module.named_parameters()}
             self._model_shapes = {n: s for part in self._from_every_stage(mine) for n, s in part.items()}
         return self._model_shapes

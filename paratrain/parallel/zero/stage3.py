@@ -31,12 +31,14 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
-from paratrain.comm import broadcast_coalesced, prefers_reduce_scatter
+from paratrain.comm import broadcast_coalesced
 from paratrain.errors import UsageError
 from paratrain.optim import clip_grad_norm_over
-from paratrain.parallel.flat_shard import FlatShard, ParamSlot
-from paratrain.parallel.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
-from paratrain.state_layout import FlatLayout
+from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule
+from paratrain.parallel.zero.collectives import OwnerCollectives
+from paratrain.parallel.zero.flat_shard import FlatShard, ParamSlot
+from paratrain.parallel.zero.units import innermost_unit, owners_by_param, release
+from paratrain.parallel.zero.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
 
 
 class TrainingState(enum.Enum):
@@ -53,31 +55,32 @@ class Unit:
     backward_started: bool = False
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(ParallelModule):
     """ZeRO stage 3 over `process_group`. Build it with `paratrain.shard(model, optimizer, stage=3)`,
     which also rebuilds the optimizer for the shards (the parameters it returns)."""
 
     def __init__(self, module: nn.Module, *, group_of: dict[nn.Parameter, int] | None = None,
                  process_group=None, wrap_policy: WrapPolicy | None = None, prefetch: bool = True,
-                 param_dtype: torch.dtype | None = None, offload: bool = False):
+                 param_dtype: torch.dtype | None = None, offload: bool = False,
+                 collectives: OwnerCollectives | None = None):
         super().__init__()
         if not dist.is_initialized():
             raise UsageError("ZeRO stage 3 needs the default process group: call "
                              "paratrain.Topology.from_env().init() (or use paratrain.Session) first")
         self.module, self.process_group, self.prefetch = module, process_group, prefetch
         self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
-        self.use_reduce_scatter = prefers_reduce_scatter(process_group)
+        self.replicas, self.replica_index = self.world, self.rank
+        self.collectives = collectives or OwnerCollectives.for_group(process_group)
         broadcast_coalesced(list(module.parameters()) + list(module.buffers()), process_group)
         self._key_order = list(module.state_dict().keys())
         group_of = group_of or {p: 0 for p in module.parameters()}
         self.shard_groups: list[int] = []  # the optimizer param group of each shard
         self.param_dtype = param_dtype
         wrap_policy = wrap_policy or DEFAULT_WRAP_POLICY
-        self.units = self._build_units(wrap_policy.select(module), group_of, dict(param_dtype=param_dtype,
-                                                                                  offload=offload))
+        flat_options = dict(param_dtype=param_dtype, offload=offload, all_gather=self.collectives.all_gather)
+        self.units = self._build_units(wrap_policy.select(module), group_of, flat_options)
         self.shards = nn.ParameterList([f.shard for u in self.units for f in u.flats])
         self.state = TrainingState.IDLE
-        self.sync_gradients = True  # False inside no_sync()
         self._sync_this_backward = True  # decided by the forward that built the graph
         self._reducing: list[FlatShard] = []  # the gradient reduction in flight
         self._forward_order: list[Unit] = []
@@ -91,10 +94,10 @@ class FullyShardedDataParallel(nn.Module):
     # -- construction -----------------------------------------------------------------------------
 
     def _build_units(self, names: list[str], group_of, flat_options: dict) -> list[Unit]:
-        owners = _owners_by_param(self.module)
+        owners = owners_by_param(self.module)
         by_unit: dict[str, list[nn.Parameter]] = {name: [] for name in names + [""]}
         for p, places in owners.items():
-            by_unit[_innermost_unit([n for n, _, _ in places], names)].append(p)
+            by_unit[innermost_unit([n for n, _, _ in places], names)].append(p)
         units = []
         for name in names + [""]:
             module = self.module.get_submodule(name) if name else self.module
@@ -118,7 +121,7 @@ class FullyShardedDataParallel(nn.Module):
         for p in params:
             for _, module, attr in owners[p]:
                 del module._parameters[attr]  # from now on a plain attribute, set to a view in forward
-            _release(p)
+            release(p)
         return flat
 
     # -- forward ------------------------------------------------------------------------------------
@@ -127,7 +130,7 @@ class FullyShardedDataParallel(nn.Module):
         if torch.is_grad_enabled():
             self._forget_unfinished_backward()
         self.state = TrainingState.FORWARD
-        self._sync_this_backward = self.sync_gradients
+        self._sync_this_backward = self.require_backward_grad_sync
         if self.param_dtype is not None:  # inputs in the dtype the gathered parameters have
             args, kwargs = tree_map(self._cast, (args, kwargs))
         return self.module(*args, **kwargs)
@@ -180,7 +183,7 @@ class FullyShardedDataParallel(nn.Module):
             for earlier in self._reducing:
                 earlier.finish_grad_sync()
             self._reducing = [flat]
-            flat.start_grad_sync(self.use_reduce_scatter)
+            flat.start_grad_sync(self.collectives.reduce_scatter)
         flat.reshard()
 
     def _finish_backward(self) -> None:
@@ -231,18 +234,18 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- accumulation and state ---------------------------------------------------------------------
 
-    def no_sync(self):
-        """Accumulate full gradients locally (no reduction) for the backwards inside."""
-        return _NoSync(self)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         for shard in self.shards:
             shard.grad = None
 
+    def local_grads(self) -> tuple[list[torch.Tensor], Any]:
+        """This rank's slices of the averaged gradients; the others are on the other ranks."""
+        return [s.grad for s in self.shards if s.grad is not None], self.process_group or dist.group.WORLD
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole (averaged) gradient, computed from the shards."""
-        return clip_grad_norm_over([s.grad for s in self.shards if s.grad is not None], max_norm,
-                                   self.process_group)
+        grads, group = self.local_grads()
+        return clip_grad_norm_over(grads, max_norm, group)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict with the original keys (a collective: every rank calls it)."""
@@ -262,11 +265,16 @@ class FullyShardedDataParallel(nn.Module):
         buffers = self.module.state_dict()
         self.module.load_state_dict({k: state[k] for k in buffers}, strict=False)
 
-    def checkpoint_layouts(self) -> dict[nn.Parameter, FlatLayout]:
-        """Each shard and the parameters its flat buffer holds (checkpoints, state_layout.py)."""
-        return {f.shard: FlatLayout(tuple((s.names[0], s.offset, s.shape) for s in f.slots),
+    def checkpoint_layout(self) -> CheckpointLayout:
+        """The parameters live in the flat shards (each shard and the parameters its buffer
+        holds); frozen parameters, which are not sharded, and buffers are whole."""
+        flat = {f.shard: FlatLayout(tuple((s.names[0], s.offset, s.shape) for s in f.slots),
                                     f.padded // self.world, self.rank, self.world)
                 for u in self.units for f in u.flats}
+        shapes = {n: s for layout in flat.values() for n, _, s in layout.slots}
+        frozen = dict(self.module.named_parameters())
+        return CheckpointLayout(frozen, flat, True, dict(self.module.named_buffers()), {**shapes, **{
+            n: p.shape for n, p in frozen.items()}})
 
     def _gathered_params(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -275,55 +283,3 @@ class FullyShardedDataParallel(nn.Module):
                 for slot, value in zip(flat.slots, flat.gather_values()):
                     out.update({name: value for name in slot.names})
         return out
-
-
-class _NoSync:
-    def __init__(self, model: FullyShardedDataParallel):
-        self.model = model
-
-    def __enter__(self):
-        self.previous, self.model.sync_gradients = self.model.sync_gradients, False
-
-    def __exit__(self, *exc):
-        self.model.sync_gradients = self.previous
-
-
-def _owners_by_param(root: nn.Module) -> dict[nn.Parameter, list[tuple[str, nn.Module, str]]]:
-    """Every (dotted name, module, attribute) under which each trainable parameter appears."""
-    owners: dict[nn.Parameter, list[tuple[str, nn.Module, str]]] = {}
-    for mod_name, module in root.named_modules(remove_duplicate=False):
-        for attr, p in module._parameters.items():
-            if p is not None and p.requires_grad:
-                owners.setdefault(p, []).append((f"{mod_name}.{attr}" if mod_name else attr, module, attr))
-    return owners
-
-
-def _innermost_unit(param_names: list[str], units: list[str]) -> str:
-    """The deepest unit whose subtree holds every name the parameter has ("" is the root)."""
-    inside = [u for u in units if all(n.startswith(u + ".") for n in param_names)]
-    return max(inside, key=len, default="")
-
-
-def _release(p: nn.Parameter) -> None:
-    """Free an original parameter's memory and mark it, so an optimizer made from the unsharded
-    model fails with advice instead of silently stepping nothing (see `_check_optimizer_step`)."""
-    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    p._paratrain_sharded = True
-    _install_optimizer_check()
-
-
-@functools.cache
-def _install_optimizer_check() -> None:
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    register_optimizer_step_pre_hook(_check_optimizer_step)
-
-
-def _check_optimizer_step(optimizer, args, kwargs) -> None:
-    for group in optimizer.param_groups:
-        if any(getattr(p, "_paratrain_sharded", False) for p in group["params"]):
-            raise UsageError(
-                "this optimizer was created from the model before ZeRO stage 3 sharded it, so it "
-                "holds parameters that no longer exist; use the optimizer that "
-                "paratrain.shard(model, optimizer, stage=3) returns (Session.setup does this), or "
-                "create it from the sharded model's parameters()")

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import all_gather_single, gather_from_owners, reduce_to_owners
-from paratrain.parallel.zero import accumulate
+from paratrain.comm import all_gather_single
+from paratrain.parallel.zero.collectives import add_into, gather_from_owners, reduce_to_owners
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,15 @@ class FlatShard:
     """The shard this rank owns of a list of parameters, and their gathered full buffer."""
 
     def __init__(self, slots: list[ParamSlot], values: list[torch.Tensor], *, group, rank: int,
-                 world: int, param_dtype: torch.dtype | None = None, offload: bool = False):
+                 world: int, param_dtype: torch.dtype | None = None, offload: bool = False,
+                 all_gather: bool = False):
         """`param_dtype`: gather, compute and reduce in it (bf16/fp16), keeping the shard and the
         optimizer state in the parameters' own dtype (fp32 master weights). `offload`: keep the
         shard, its gradient and so the optimizer state in CPU memory; only the gathered buffer
-        lives on the device."""
+        lives on the device. `all_gather`: gather by one all-gather, not a broadcast per owner
+        (collectives.OwnerCollectives)."""
         self.slots, self.group, self.rank, self.world = slots, group, rank, world
+        self.all_gather = all_gather
         self.numel = sum(s.shape.numel() for s in slots)
         self.padded = -(-self.numel // world) * world
         flat = torch.zeros(self.padded, dtype=values[0].dtype, device=values[0].device)
@@ -72,7 +75,7 @@ class FlatShard:
             return
         _alloc(self.full)
         self._gather_work = gather_from_owners(self.full.data, self.shard.detach(), self.group,
-                                               rank=self.rank, world=self.world)
+                                               rank=self.rank, world=self.world, all_gather=self.all_gather)
 
     def finish_unshard(self) -> None:
         if self._gather_work is not None:
@@ -111,7 +114,7 @@ class FlatShard:
         work, mine = self._reduce
         work.wait()
         self._reduce = None
-        self.shard.grad = accumulate(self.shard.grad, mine, like=self.shard)
+        self.shard.grad = add_into(self.shard.grad, mine, like=self.shard)
 
     def drop_pending(self) -> None:
         """Forget a reduction that a failed backward left behind."""

@@ -1,0 +1,149 @@
+"""The one surface every parallel wrapper offers, and the strategy objects that build them.
+
+[Note: the parallel protocol]
+Session, checkpoints and `shard` talk to a wrapped model only through `ParallelModule`; they
+never ask which strategy built it, nor probe it for attributes:
+
+    module                              the user's model (a pipeline stage: this rank's part of it)
+    no_sync()                           backward accumulates locally; the flag is
+                                        `require_backward_grad_sync`, torch DDP's name, everywhere
+    forward_backward(x, y, loss_fn, s)  one micro-batch: forward, loss, backward of loss·s; returns
+                                        the loss, detached (a pipeline runs its schedule here)
+    clip_grad_norm_(max_norm)           clip by the global norm, whatever part each rank holds
+    local_grads()                       (the gradients this rank holds after backward, the group
+                                        whose ranks hold the rest: None when every rank has all)
+    replicas, replica_index             data-parallel replicas, and which one this rank is
+    check_loader(loader)                refuse at setup a sharded loader it cannot take
+    checkpoint_layout()                 what this rank holds, in the checkpoint's terms
+    full_state_dict()                   the whole model's state dict, keys the user's (collective)
+    supports_token_weights              whether train_step(weight=...) works
+
+The defaults below are those of a model every rank holds whole, with gradients that are equal on
+every rank after backward. A `Strategy` is a frozen dataclass of settings whose `setup` builds
+the wrapper and the optimizer that steps it; it sits in the wrapper's own file, and the registry
+(strategy.py) names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator
+
+import torch
+from torch import nn
+
+from paratrain.grid import ProcessGrid
+from paratrain.optim import check_optimizer_owns
+from paratrain.topology import Topology
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Which parameters a flat, sharded buffer holds, and which slice of it this rank owns."""
+
+    slots: tuple[tuple[str, int, torch.Size], ...]  # (name, offset in the flat buffer, shape)
+    shard_size: int  # elements per rank (the padded buffer / world)
+    rank: int
+    world: int
+
+    def pieces(self, rank: int) -> list[tuple[str, int, int, int]]:
+        """(name, offset in the flattened parameter, offset in the shard, length) of each
+        parameter piece rank `rank`'s shard holds."""
+        lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        out = []
+        for name, offset, shape in self.slots:
+            a, b = max(lo, offset), min(hi, offset + shape.numel())
+            if a < b:
+                out.append((name, a - offset, a - lo, b - a))
+        return out
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """What one rank holds of a model, in the terms of the canonical layout (state_layout.py)."""
+
+    params: dict[str, torch.Tensor]  # parameters held whole, by their names in the user's model
+    flat: dict[torch.Tensor, FlatLayout]  # flat shards (what a sharded optimizer steps) → contents
+    params_in_flat: bool  # the parameters' values live in the flat shards (ZeRO-3), not `params`
+    buffers: dict[str, torch.Tensor]
+    shapes: dict[str, torch.Size]  # every parameter of the whole model, on every rank
+
+    @classmethod
+    def whole(cls, module: nn.Module, flat: dict | None = None,
+              shapes: dict[str, torch.Size] | None = None) -> "CheckpointLayout":
+        """A rank holding `module`'s parameters whole (and maybe flat optimizer shards)."""
+        params = dict(module.named_parameters())
+        return cls(params, flat or {}, False, dict(module.named_buffers()),
+                   shapes if shapes is not None else {n: p.shape for n, p in params.items()})
+
+
+class ParallelModule(nn.Module):
+    """Base of every parallel wrapper; see [Note: the parallel protocol]."""
+
+    module: nn.Module
+    require_backward_grad_sync: bool = True  # False inside no_sync()
+    supports_token_weights: ClassVar[bool] = True
+    replicas: int = 1
+    replica_index: int = 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate gradients locally, with no communication; the first
+        synchronised backward after it averages everything accumulated."""
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def forward_backward(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
+        loss = loss_fn(self(inputs), targets)
+        (loss * scale).backward()
+        return loss.detach()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+
+    def local_grads(self) -> tuple[list[torch.Tensor], Any]:
+        return [p.grad for p in self.parameters() if p.grad is not None], None
+
+    def check_loader(self, loader: Any) -> None:
+        pass
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        return CheckpointLayout.whole(self.module)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.module.state_dict()
+
+
+class Strategy:
+    """Base of the strategy objects (frozen dataclasses): settings, and `setup` to apply them."""
+
+    name: ClassVar[str] = "base"
+
+    def grid(self, topology: Topology) -> ProcessGrid:
+        """The rank grid this strategy slices its groups from (a pipeline sets its "pp")."""
+        return ProcessGrid(topology)
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+              grid: ProcessGrid) -> tuple[ParallelModule, torch.optim.Optimizer | None]:
+        """The wrapped model (on this rank's device) and the optimizer that steps it. Collective:
+        every rank calls it at the same point."""
+        raise NotImplementedError
+
+
+def owned(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> torch.optim.Optimizer | None:
+    """`optimizer`, checked to step `model`'s parameters (strategies that keep the user's own)."""
+    if optimizer is not None:
+        check_optimizer_owns(optimizer, model.parameters())
+    return optimizer
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict with the user's keys, whatever wraps it (a collective under
+    sharded strategies); a plain module's own state dict."""
+    return model.full_state_dict() if isinstance(model, ParallelModule) else model.state_dict()

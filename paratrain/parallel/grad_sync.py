@@ -1,0 +1,142 @@
+"""Averaging gradients over a group while backward runs, bucket by bucket: the engine of our DDP
+(ddp.py), also used by the replicas of a pipeline stage (pipeline/stage.py). It does what the
+reducer of torch's DDP does (torch/csrc/distributed/c10d/reducer.cpp):
+
+    prepare(sync, unused)   before a backward: whether it synchronises, and which parameters are
+                            known to get no gradient (DDP finds them from the forward's outputs;
+                            None: not known before backward ends)
+    hook, per parameter     fires once per backward, after autograd has summed every contribution
+                            into p.grad (tied weights included), so p.grad is final: it moves into
+                            its bucket, multiplied by 1/N, and a full bucket's reduction starts
+                            while backward goes on
+    callback, end of backward  queued on the autograd engine by the first hook: waits for every
+                            reduction, so `.grad` holds the average when `backward()` returns
+
+A backward that does not synchronise only accumulates, in the buckets, locally. After the first
+synchronised backward the buckets are laid out again in the order the gradients arrived (rank 0's
+order, broadcast once; see buckets.py), unless unused parameters are allowed or the reduction
+forbids it (ZeRO's parameters live in its buckets' layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from paratrain import comm
+from paratrain.errors import UsageError
+from paratrain.parallel.buckets import UNLIMITED, GradBuckets, Reduction, assign, first_layout
+
+
+class GradSync:
+    """Bucketed, overlapped averaging of `params`' gradients over `group` (module docstring).
+
+    names: each parameter's name, for error messages.
+    caps: bucket caps in bytes (bucket i uses caps[min(i, last)]).
+    find_unused: parameters may get no gradient in a synchronised backward; then a small
+        all-reduce of a used-bitmap settles which hold one anywhere (`_settle_unused`).
+    finish_in_backward: wait for the reductions when backward ends (DDP); False: when the caller
+        calls `finish()` (a pipeline stage first sends its input's gradient on, then waits).
+    """
+
+    def __init__(self, params: list[nn.Parameter], names: dict[nn.Parameter, str], group, *,
+                 reduction: Reduction, caps: list[int], find_unused: bool, finish_in_backward: bool = True):
+        self.params, self.names, self.group = params, names, group
+        self.reduction, self.caps, self.find_unused = reduction, caps, find_unused
+        self.finish_in_backward = finish_in_backward
+        self.world = dist.get_world_size(group)
+        self._rebuild = reduction.rebuild and not find_unused  # as torch: a varying graph keeps its layout
+        first_caps = UNLIMITED if self._rebuild else caps
+        self.buckets = GradBuckets.build(first_layout(params, first_caps, reduction.key), reduction, self.world)
+        self._order: list[nn.Parameter] | None = None  # arrival order of the first synchronised backward
+        self._sync = False
+        self._in_backward = False
+        self._unused: list[nn.Parameter] | None = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def prepare(self, sync: bool, unused: list[nn.Parameter] | None = ()) -> None:
+        """Before a backward: whether it synchronises, and the parameters known not to take part
+        (None: find out when backward ends; they count as zero where another rank has one)."""
+        if self._order is not None:
+            self._rebuild_buckets()
+        self._sync, self._in_backward = sync, False
+        self._unused = None if unused is None else list(unused)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        # fires on the autograd thread, in the middle of backward
+        if not self._sync:
+            self.buckets.adopt_grad(p)
+            return
+        if not self._in_backward:
+            self._start_backward()
+        self.buckets.adopt_grad(p, average=True)
+        self.buckets.mark_ready(p)
+
+    def _start_backward(self) -> None:
+        self._in_backward = True
+        self.buckets.reset()
+        if self.finish_in_backward:
+            Variable._execution_engine.queue_callback(self._finish_backward)  # runs once backward ends
+        for p in self._unused or ():  # contribute what they hold (zero if nothing) to the average
+            self.buckets.adopt_grad(p, average=True, zero_if_missing=True)
+            self.buckets.mark_ready(p)
+
+    def finish(self) -> None:
+        """End a synchronised backward whose end the caller decides (finish_in_backward=False)."""
+        if not self._sync:
+            return
+        if not self._in_backward:  # no parameter took part in it
+            self._start_backward()
+        self._finish_backward()
+        self._sync = False
+
+    def _finish_backward(self) -> None:
+        self._in_backward = False
+        missing = self.buckets.missing()
+        if missing and self._unused is None:  # not known before backward: they count as zero
+            for p in missing:
+                self.buckets.adopt_grad(p, average=True, zero_if_missing=True)
+                self.buckets.mark_ready(p)
+            missing = []
+        self.buckets.finish_grad_sync()
+        if missing:
+            self._refuse_missing(missing)
+        if self._rebuild:
+            self._order, self._rebuild = list(self.buckets.arrived), False
+        if self.find_unused:  # on every rank: which parameters are unused differs
+            self._settle_unused()
+
+    def _refuse_missing(self, missing: list[nn.Parameter]) -> None:
+        names = ", ".join(self.names.get(p, "?") for p in missing[:10])
+        advice = ("they were reached from the model's outputs but not from the loss: use every "
+                  "output in the loss" if self.find_unused else
+                  "pass find_unused_parameters=True to DistributedDataParallel (or pt.DDP)")
+        raise UsageError(f"{len(missing)} parameter(s) got no gradient in this backward: {names}; "
+                         f"{advice}, or remove them from the model (or set requires_grad=False)")
+
+    def _settle_unused(self) -> None:
+        """A parameter that this rank did not use but another did (in any micro-batch since the
+        last sync: then it holds a gradient) gets the average as its gradient; one that no rank
+        used keeps None, as in torch, so optimizers skip it exactly as single-process training
+        would. Collective: one small all-reduce of a used-bitmap."""
+        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32,
+                            device=self.params[0].device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
+        for p, anywhere in zip(self.params, used.tolist()):
+            if anywhere and p.grad is None:
+                bucket, slot = self.buckets.slot_of[p]
+                p.grad = bucket.view(slot)
+
+    def _rebuild_buckets(self) -> None:
+        """Lay the buckets out in rank 0's arrival order (torch: `Reducer::rebuild_buckets`, which
+        also takes rank 0's order: ranks must launch the same buckets)."""
+        index = {p: i for i, p in enumerate(self.params)}
+        order = torch.tensor([index[p] for p in self._order], dtype=torch.int64,
+                             device=self.params[0].device)
+        if self.world > 1:
+            comm.broadcast(order, 0, self.group)
+        self._order = None
+        layout = assign([self.params[i] for i in order.tolist()], self.caps, self.reduction.key)
+        self.buckets = GradBuckets.build(layout, self.reduction, self.world)

@@ -1,0 +1,34 @@
+"""What ZeRO asks of the user's optimizer, checked once for every stage: it steps element by
+element (so a flat shard of many parameters steps exactly as they would), and it holds every
+trainable parameter of the model, in param groups each shard keeps."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.errors import ConfigError
+from paratrain.optim import check_optimizer_owns
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers that look across whole tensors (LBFGS, Adafactor, Muon)."""
+    whole_tensor = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "Muon")
+                         if hasattr(torch.optim, name))
+    if isinstance(optimizer, whole_tensor):
+        raise ConfigError(f"{type(optimizer).__name__} looks across whole tensors, so it cannot step "
+                          "a flat shard exactly; use an element-wise optimizer (SGD, Adam, AdamW, …) "
+                          "with ZeRO, or strategy 'ddp'")
+
+
+def param_groups_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int]:
+    """Which param group of `optimizer` holds each trainable parameter of `model`; a clear error
+    when the optimizer was made for another model or leaves parameters out."""
+    check_elementwise(optimizer)
+    check_optimizer_owns(optimizer, [p for p in model.parameters() if p.requires_grad])
+    group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p not in group_of]
+    if missing:
+        raise ConfigError(f"the optimizer does not hold {len(missing)} trainable parameter(s) "
+                          f"({', '.join(missing[:5])}); pass them all, or set requires_grad=False")
+    return group_of

@@ -1,0 +1,52 @@
+"""How ZeRO stage 3 takes a model apart into units: which names each trainable parameter has,
+which unit owns it, and releasing the original parameters once their values are in flat shards."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from paratrain.errors import UsageError
+
+
+def owners_by_param(root: nn.Module) -> dict[nn.Parameter, list[tuple[str, nn.Module, str]]]:
+    """Every (dotted name, module, attribute) under which each trainable parameter appears."""
+    owners: dict[nn.Parameter, list[tuple[str, nn.Module, str]]] = {}
+    for mod_name, module in root.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None and p.requires_grad:
+                owners.setdefault(p, []).append((f"{mod_name}.{attr}" if mod_name else attr, module, attr))
+    return owners
+
+
+def innermost_unit(param_names: list[str], units: list[str]) -> str:
+    """The deepest unit whose subtree holds every name the parameter has ("" is the root)."""
+    inside = [u for u in units if all(n.startswith(u + ".") for n in param_names)]
+    return max(inside, key=len, default="")
+
+
+def release(p: nn.Parameter) -> None:
+    """Free an original parameter's memory and mark it, so an optimizer made from the unsharded
+    model fails with advice instead of silently stepping nothing (see `_check_optimizer_step`)."""
+    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    p._paratrain_sharded = True
+    _install_optimizer_check()
+
+
+@functools.cache
+def _install_optimizer_check() -> None:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_check_optimizer_step)
+
+
+def _check_optimizer_step(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        if any(getattr(p, "_paratrain_sharded", False) for p in group["params"]):
+            raise UsageError(
+                "this optimizer was created from the model before ZeRO stage 3 sharded it, so it "
+                "holds parameters that no longer exist; use the optimizer that "
+                "paratrain.shard(model, optimizer, stage=3) returns (Session.setup does this), or "
+                "create it from the sharded model's parameters()")
