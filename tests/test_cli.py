@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
 from paratrain import cli
-from paratrain.topology import _free_port
+from paratrain.topology import free_port
 
 # One worker script for every job; the mode (second argument) picks how it behaves. Each rank
 # writes its pid first, so a test can check afterwards that no worker outlived the job.
@@ -162,7 +162,7 @@ def test_env_under_run_prints_every_rank(tmp_path):
 
 def test_two_nodes_on_loopback_form_one_world(job):
     cwd, out = job
-    port = str(_free_port())
+    port = str(free_port())
     nodes = [start("run", "--nnodes", "2", "--node-rank", str(node), "-n", "1", "--master-addr",
                    "127.0.0.1", "--master-port", port, "worker.py", str(out), "ok", cwd=cwd)
              for node in (0, 1)]
@@ -176,7 +176,7 @@ def test_unreachable_master_is_reported_not_a_traceback(job, monkeypatch):
     cwd, out = job
     monkeypatch.setenv("PET_RDZV_CONF", "timeout=2")  # torchrun's rendezvous wait, read from the env
     proc = paratrain("run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                     "--master-port", str(_free_port()), "worker.py", str(out), "ok", cwd=cwd)
+                     "--master-port", str(free_port()), "worker.py", str(out), "ok", cwd=cwd)
     assert proc.returncode == 1 and "paratrain run: the nodes could not meet" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -209,9 +209,9 @@ def test_bad_input_from_the_command_line(tmp_path):
 
 
 def test_version_from_the_console_script(tmp_path):
-    script = shutil.which("paratrain")
-    if script is None:
-        pytest.skip("the `paratrain` console script is not on PATH (package not installed)")
+    # pip puts the script beside the interpreter it installed into, on PATH or not
+    script = Path(sys.executable).parent / "paratrain"
+    assert script.is_file(), f"no console script at {script}: install the package (pip install -e .)"
     proc = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and proc.stdout.startswith("paratrain ")
 

@@ -1,6 +1,7 @@
 """Metric logging: the mean over ranks, one CSV row per call, written by rank 0 only."""
 
 import csv
+import sys
 
 import pytest
 import torch
@@ -74,11 +75,8 @@ def test_tensorboard_events_when_it_is_installed(tmp_path):
     assert list(tmp_path.glob("events.out.tfevents.*")) and (tmp_path / "metrics.csv").exists()
 
 
-def test_asking_for_tensorboard_without_it_is_a_config_error(tmp_path):
-    try:
-        import tensorboard  # noqa: F401
-        pytest.skip("tensorboard is installed")
-    except ImportError:
-        pass
+def test_asking_for_tensorboard_without_it_is_a_config_error(tmp_path, monkeypatch):
+    # as if it were not installed: None in sys.modules makes the import fail
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(pt.ConfigError, match="pip install tensorboard"):
         MetricsLogger(tmp_path, is_main=True, tensorboard=True)
