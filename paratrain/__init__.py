@@ -7,6 +7,10 @@
         loss = session.train_step(batch, loss_fn)
 """
 
+from paratrain import worker
+
+worker.attach()  # first, before torch loads: under `paratrain run`, die with the launcher (worker.py)
+
 from paratrain.comm import (
     all_gather_with_grad,
     broadcast_object,

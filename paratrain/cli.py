@@ -4,7 +4,8 @@
 `main`, so the elastic agent starts the N workers per node, watches them, restarts the group up
 to `--max-restarts` times, and kills the survivors when one rank fails: no orphans, no
 home-made process manager. What torchrun reports as `ChildFailedError` becomes a short summary
-naming the failed ranks and a non-zero exit status.
+naming the failed ranks and a non-zero exit status. The ranks die with this process, even when it
+is SIGKILLed (worker.py).
 
 Bad input exits with status 2 and one line saying what to change (as argparse does).
 """
@@ -24,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 
+from paratrain import worker
 from paratrain.errors import ConfigError
 from paratrain.topology import Topology, pick_backend, rank_grid, resolve_timeout
 
@@ -153,6 +155,7 @@ def _export_env(args: argparse.Namespace) -> None:
         os.environ["PARATRAIN_BACKEND"] = args.backend
     if args.debug_collectives:  # read by Topology.init, before the process group exists
         os.environ["PARATRAIN_DEBUG_COLLECTIVES"] = "1"
+    os.environ[worker.LAUNCHER_PID] = str(os.getpid())  # the ranks die with this process (worker.py)
     # torchrun would set 1 and print a warning banner; share this node's cores instead
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
 
