@@ -9,7 +9,7 @@
 
 from paratrain import worker
 
-worker.attach()  # first, before torch loads: under `paratrain run`, die with the launcher (worker.py)
+worker.attach()  # first, before torch loads: under `paratrain run`, die with the launcher, leave notes
 
 from paratrain.comm import (
     all_gather_with_grad,

@@ -1,5 +1,6 @@
 """`paratrain run` when things go wrong around the ranks (issue 16, points 16-18): a SIGKILLed
-launcher takes its workers with it."""
+launcher takes its workers with it, and the failure summary names the rank at fault rather than
+the one that gave up waiting for it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import textwrap
 import time
 
 import pytest
+import torch
 
+from paratrain import postmortem
 from test_cli import _running, paratrain, start
 
 # Writes its pid, then (second argument "gate") waits for a file before importing paratrain, so
@@ -26,6 +29,23 @@ SLEEPER = textwrap.dedent("""
     open(os.path.join(out, f"armed{rank}"), "w").close()
     time.sleep(120)
 """)
+
+# Two ranks train in lock step; the mode picks the rank that goes wrong and how.
+STEPS = textwrap.dedent("""
+    import sys, time
+    import torch, torch.distributed as dist
+    import paratrain as pt
+
+    topo = pt.Topology.from_env().init()
+    for step in range(40):
+        if sys.argv[1] == "rank0-sleeps" and topo.rank == 0 and step == 2:
+            time.sleep(60)  # STRAGGLER: rank 1 waits for it in the all_reduce below
+        if sys.argv[1] == "rank1-exits" and topo.rank == 1 and step == 2:
+            sys.exit(0)
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.05)
+""")
+
 
 def _wait_for(paths, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
@@ -71,3 +91,60 @@ def test_workers_die_when_the_launcher_is_sigkilled(tmp_path, when):
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
         launcher.communicate()
+
+
+@pytest.fixture
+def steps(tmp_path):
+    (tmp_path / "steps.py").write_text(STEPS)
+    return tmp_path
+
+
+def test_summary_blames_the_rank_that_never_reached_the_collective(steps):
+    proc = paratrain("run", "-n", "2", "--timeout", "3", "steps.py", "rank0-sleeps", cwd=steps)
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("paratrain run:")]
+    line = STEPS.splitlines().index(next(s for s in STEPS.splitlines() if "STRAGGLER" in s)) + 1
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert summary[0] == ("paratrain run: rank 0 never reached the collective that rank 1 was waiting "
+                          f"in: when the launcher stopped it, rank 0 was at steps.py:{line} (in <module>)")
+    assert summary[1].startswith("paratrain run: rank 1 gave up waiting in a collective (exit code 1")
+    assert "Timed out" in summary[1]
+
+
+def test_summary_names_a_rank_that_exited_cleanly_while_others_trained(steps):
+    proc = paratrain("run", "-n", "2", "--timeout", "5", "steps.py", "rank1-exits", cwd=steps)
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("paratrain run:")]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert summary[0].startswith("paratrain run: rank 1 exited cleanly (exit code 0) at "), summary
+    assert summary[0].endswith(" while rank 0 was still training; the others then failed waiting for it")
+    assert summary[1].startswith("paratrain run: rank 0 gave up waiting in a collective (exit code 1")
+
+
+def _end(rank, exitcode, kind, stack="", t=0.0, error=""):
+    return postmortem.RankEnd(rank, exitcode, 100 + rank, dict(kind=kind, time=t, error=error), stack)
+
+
+IN_ALL_REDUCE = textwrap.dedent("""\
+    Current thread 0x1 (most recent call first):
+      File "/x/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+      File "/home/me/train.py", line 9 in <module>
+""").replace("/x/site-packages/torch/", os.path.dirname(torch.__file__) + "/")
+
+
+def test_a_rank_own_exception_is_blamed_before_a_clean_exit():
+    """Rank 2 finished early, but rank 1's own ValueError came first in the blame order."""
+    ends = {0: _end(0, 1, "collective", t=3.0), 1: _end(1, 1, "exception", t=4.0, error="ValueError: x"),
+            2: _end(2, 0, "exit", t=1.0)}
+    lines, status = postmortem.summarize(ends, first_rank=0)
+    assert lines == ["rank 1 failed (exit code 1, pid 101): ValueError: x; see its output above",
+                     "also failed: rank 0 (exit code 1)"]
+    assert status == 1
+
+
+def test_ranks_waiting_in_collectives_everywhere_are_not_called_stragglers():
+    """Rank 1 was stopped inside another collective: the ranks disagree, or the culprit is on
+    another node; neither rank is named as the one that never came."""
+    ends = {0: _end(0, 1, "collective", t=3.0), 1: _end(1, -signal.SIGTERM, "running", IN_ALL_REDUCE)}
+    lines, _ = postmortem.summarize(ends, first_rank=0)
+    assert lines[0].startswith("rank 0 gave up waiting in a collective (exit code 1, pid 100)")
+    assert lines[1].startswith("every rank on this node was waiting in a collective (rank 1 in all_reduce)")
+    assert "--debug-collectives" in lines[1] and "never reached" not in " ".join(lines)
