@@ -120,13 +120,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"paratrain run: stopped by {e.sigval.name}", file=sys.stderr)
         return 128 + int(e.sigval)
     except (RendezvousError, dist.DistError) as e:  # the agents never met; no worker started
-        print(f"paratrain run: the nodes could not meet: {e}\n"
-              "paratrain run: start every node with the same --nnodes, --master-addr and --master-port, "
-              "and check that node 0 is reachable at that address", file=sys.stderr)
+        _report_no_meeting(args, e)
         return 1
     finally:
         shutil.rmtree(notes, ignore_errors=True)
     return 0
+
+
+def _report_no_meeting(args: argparse.Namespace, error: Exception) -> None:
+    if _port_taken(error):  # node 0's agent could not host the store (torch's TCPStore server)
+        print(f"paratrain run: port {args.master_port or TORCHRUN_DEFAULT_PORT} on "
+              f"{args.master_addr or '127.0.0.1'} is already in use; pass another --master-port "
+              "(or leave it out on a single node, which picks a free port)", file=sys.stderr)
+        return
+    print(f"paratrain run: the nodes could not meet: {error}\n"
+          "paratrain run: start every node with the same --nnodes, --master-addr and --master-port, "
+          "and check that node 0 is reachable at that address", file=sys.stderr)
+
+
+def _port_taken(error: BaseException | None) -> bool:
+    """EADDRINUSE anywhere in the chain: torch says "name: EADDRINUSE, message: address already in use"."""
+    while error is not None:
+        if "EADDRINUSE" in str(error) or "address already in use" in str(error).lower():
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _check_run_args(args: argparse.Namespace) -> None:

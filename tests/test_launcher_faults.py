@@ -1,11 +1,12 @@
 """`paratrain run` when things go wrong around the ranks (issue 16, points 16-18): a SIGKILLed
-launcher takes its workers with it, and the failure summary names the rank at fault rather than
-the one that gave up waiting for it."""
+launcher takes its workers with it, the failure summary names the rank at fault rather than the
+one that gave up waiting for it, and a master port in use is reported as such."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import textwrap
 import time
 
@@ -117,6 +118,20 @@ def test_summary_names_a_rank_that_exited_cleanly_while_others_trained(steps):
     assert summary[0].startswith("paratrain run: rank 1 exited cleanly (exit code 0) at "), summary
     assert summary[0].endswith(" while rank 0 was still training; the others then failed waiting for it")
     assert summary[1].startswith("paratrain run: rank 0 gave up waiting in a collective (exit code 1")
+
+
+def test_master_port_in_use_is_reported_as_such(tmp_path):
+    (tmp_path / "hello.py").write_text("print('hello')\n")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = paratrain("run", "-n", "1", "--master-port", str(port), "hello.py", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.endswith(
+        f"paratrain run: port {port} on 127.0.0.1 is already in use; pass another --master-port "
+        "(or leave it out on a single node, which picks a free port)\n"), proc.stderr[-3000:]
+    assert "hello" not in proc.stdout and "could not meet" not in proc.stderr
 
 
 def _end(rank, exitcode, kind, stack="", t=0.0, error=""):
