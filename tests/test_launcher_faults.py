@@ -95,7 +95,8 @@ def test_workers_die_when_the_launcher_is_sigkilled(tmp_path, when):
 
 
 @pytest.fixture
-def steps(tmp_path):
+def steps(tmp_path, monkeypatch):
+    monkeypatch.delenv("PARATRAIN_DEBUG_COLLECTIVES", raising=False)  # it changes torch's messages
     (tmp_path / "steps.py").write_text(STEPS)
     return tmp_path
 
