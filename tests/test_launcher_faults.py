@@ -62,9 +62,10 @@ def _parent(pid: int) -> int:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
 @pytest.mark.parametrize("when", ["running", "starting"])
-def test_workers_die_when_the_launcher_is_sigkilled(tmp_path, when):
+def test_workers_die_when_the_launcher_is_sigkilled(tmp_path, monkeypatch, when):
     """'running': the workers had imported paratrain; 'starting': the launcher died first, and
     each worker finds it gone when it imports paratrain (the race that PR_SET_PDEATHSIG misses)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the killed launcher leaves its notes folder
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     out = tmp_path / "out"
     out.mkdir()
