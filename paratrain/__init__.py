@@ -7,7 +7,11 @@
         loss = session.train_step(batch, loss_fn)
 """
 
-from paratrain.comm import all_gather_with_grad, broadcast_object, mean_metrics
+from paratrain import worker
+
+worker.attach()  # first, before torch loads: under `paratrain run`, die with the launcher, leave notes
+
+from paratrain.comm import all_gather_with_grad, broadcast_object, mean_metrics  # noqa: E402
 from paratrain.contrastive import Gathered, gather_embeddings, nt_xent_loss
 from paratrain.data import DistributedSampler, partition
 from paratrain.errors import (

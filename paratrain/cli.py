@@ -4,7 +4,8 @@
 `main`, so the elastic agent starts the N workers per node, watches them, restarts the group up
 to `--max-restarts` times, and kills the survivors when one rank fails: no orphans, no
 home-made process manager. What torchrun reports as `ChildFailedError` becomes a short summary
-naming the failed ranks and a non-zero exit status.
+naming the rank at fault (postmortem.py, from the notes the ranks leave: worker.py) and a
+non-zero exit status. The ranks die with this process, even when it is SIGKILLed (worker.py).
 
 Bad input exits with status 2 and one line saying what to change (as argparse does).
 """
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
+import shutil
 import sys
+import tempfile
 from importlib import metadata
 
 import torch
@@ -24,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 
+from paratrain import postmortem, worker
 from paratrain.errors import ConfigError
 from paratrain.grid import ProcessGrid
 from paratrain.topology import Topology, pick_backend, resolve_timeout
@@ -105,22 +108,44 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Launch the job; return the exit status (0, or the first failed rank's)."""
+    """Launch the job; return the exit status (0, or the status of the rank the summary names)."""
     _check_run_args(args)
     _export_env(args)
+    notes = tempfile.mkdtemp(prefix="paratrain-run-")  # the ranks' last words (worker.py)
+    os.environ[worker.REPORT_DIR] = notes
     try:
         torchrun.main(torchrun_argv(args))
     except ChildFailedError as e:
-        return _report_failure(e)
+        return postmortem.report(e, notes)
     except SignalException as e:  # the agent has already stopped the workers
         print(f"paratrain run: stopped by {e.sigval.name}", file=sys.stderr)
         return 128 + int(e.sigval)
     except (RendezvousError, dist.DistError) as e:  # the agents never met; no worker started
-        print(f"paratrain run: the nodes could not meet: {e}\n"
-              "paratrain run: start every node with the same --nnodes, --master-addr and --master-port, "
-              "and check that node 0 is reachable at that address", file=sys.stderr)
+        _report_no_meeting(args, e)
         return 1
+    finally:
+        shutil.rmtree(notes, ignore_errors=True)
     return 0
+
+
+def _report_no_meeting(args: argparse.Namespace, error: Exception) -> None:
+    if _port_taken(error):  # node 0's agent could not host the store (torch's TCPStore server)
+        print(f"paratrain run: port {args.master_port or TORCHRUN_DEFAULT_PORT} on "
+              f"{args.master_addr or '127.0.0.1'} is already in use; pass another --master-port "
+              "(or leave it out on a single node, which picks a free port)", file=sys.stderr)
+        return
+    print(f"paratrain run: the nodes could not meet: {error}\n"
+          "paratrain run: start every node with the same --nnodes, --master-addr and --master-port, "
+          "and check that node 0 is reachable at that address", file=sys.stderr)
+
+
+def _port_taken(error: BaseException | None) -> bool:
+    """EADDRINUSE anywhere in the chain: torch says "name: EADDRINUSE, message: address already in use"."""
+    while error is not None:
+        if "EADDRINUSE" in str(error) or "address already in use" in str(error).lower():
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _check_run_args(args: argparse.Namespace) -> None:
@@ -154,6 +179,7 @@ def _export_env(args: argparse.Namespace) -> None:
         os.environ["PARATRAIN_BACKEND"] = args.backend
     if args.debug_collectives:  # read by Topology.init, before the process group exists
         os.environ["PARATRAIN_DEBUG_COLLECTIVES"] = "1"
+    os.environ[worker.LAUNCHER_PID] = str(os.getpid())  # the ranks die with this process (worker.py)
     # torchrun would set 1 and print a warning banner; share this node's cores instead
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
 
@@ -173,34 +199,6 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     if args.module:
         argv += ["-m"]
     return argv + [args.target, *args.args]
-
-
-def _report_failure(error: ChildFailedError) -> int:
-    """Name the rank that failed first (its traceback is already on stderr), the others that
-    failed, and those the agent stopped after it; return the first failure's exit status."""
-    first_rank, first = error.get_first_failure()
-    others = {r: f for r, f in sorted(error.failures.items()) if r != first_rank}
-    stopped = [r for r, f in others.items() if -f.exitcode in (signal.SIGTERM, signal.SIGKILL)]
-    failed = [f"rank {r} ({_describe_exit(f.exitcode)})" for r, f in others.items() if r not in stopped]
-    lines = [f"paratrain run: rank {first_rank} failed ({_describe_exit(first.exitcode)}, "
-             f"pid {first.pid}); see its output above"]
-    if failed:
-        lines.append("paratrain run: also failed: " + ", ".join(failed))
-    if stopped:
-        lines.append("paratrain run: then stopped by the launcher: " + ", ".join(f"rank {r}" for r in stopped))
-    print("\n".join(lines), file=sys.stderr)
-    if first.exitcode < 0:
-        return 128 - first.exitcode  # the shell's convention for "killed by signal N"
-    return first.exitcode if 0 < first.exitcode < 256 else 1
-
-
-def _describe_exit(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 def env() -> None:

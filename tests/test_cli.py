@@ -125,7 +125,10 @@ def test_rank_missing_a_collective_times_out_instead_of_hanging(job):
     proc = paratrain("run", "-n", "2", "--timeout", "5", "worker.py", str(out), "hang", cwd=cwd,
                      timeout=35)
     assert proc.returncode != 0
-    assert "timed out" in proc.stderr.lower() and "paratrain run: rank 0 failed" in proc.stderr
+    assert "timed out" in proc.stderr.lower()
+    # rank 0 gave up first, but the summary blames rank 1, which never came (test_launcher_faults.py)
+    assert "paratrain run: rank 1 never reached the collective that rank 0 was waiting in" in proc.stderr
+    assert "paratrain run: rank 0 gave up waiting in a collective" in proc.stderr
     assert time.monotonic() - began < 35
     assert_no_worker_left(out, 2)
 

@@ -82,7 +82,9 @@ def test_asking_for_checks_after_the_group_exists_is_a_clear_error():
 
 
 def test_paratrain_run_debug_collectives_flag_reaches_the_workers(monkeypatch):
-    monkeypatch.delenv("PARATRAIN_DEBUG_COLLECTIVES", raising=False)
+    # a copy: _export_env writes the launcher's variables, which must not reach later tests
+    env = {k: v for k, v in os.environ.items() if k != "PARATRAIN_DEBUG_COLLECTIVES"}
+    monkeypatch.setattr(os, "environ", env)
     args = build_parser().parse_args(["run", "-n", "2", "--debug-collectives", "train.py"])
     _export_env(args)  # the launcher's environment, which the elastic agent hands every worker
     assert os.environ["PARATRAIN_DEBUG_COLLECTIVES"] == "1"

@@ -1,0 +1,199 @@
+"""After a failed job, name the rank at fault and why, from what the ranks left behind.
+
+torch's elastic agent reports the ranks that failed with their exit codes (ChildFailedError)
+and takes the earliest as the cause. That blames the victim whenever a rank waits in a
+collective for another that is elsewhere: the waiting rank gives up first (a timeout, or
+"connection closed by peer" when the other has exited), and the agent then stops the rest.
+So every rank leaves a note (paratrain/worker.py, [Note: last words]): how it ended, and where
+it was when the launcher stopped it. The blame goes, in this order, to
+
+1. a rank that failed on its own: an exception that is not a collective's, or a crash;
+2. a rank that exited cleanly (exit code 0) while the others still ran: they failed waiting;
+3. a rank the launcher stopped outside any collective while another gave up waiting in one;
+4. failing all of these, the agent's first failure, with what every rank was waiting in.
+
+The notes cover this node's ranks only; with several nodes the rank at fault may be on another.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+# frames under these are not the user's: torch, paratrain, the standard library, installed packages
+_LIBRARIES = tuple({os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
+                    *(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "purelib", "platlib")), "<"})
+_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank of this node ended."""
+
+    rank: int
+    exitcode: int  # 0 for a rank the agent did not list as failed
+    pid: int | None
+    note: dict  # worker.py's note ({} when the rank left none)
+    stack: str  # faulthandler's dump when it was stopped by SIGTERM, else ""
+
+    @property
+    def kind(self) -> str:
+        return self.note.get("kind", "")
+
+
+def report(error: ChildFailedError, notes_dir: str) -> int:
+    """Print the summary on stderr; return the exit status of the failed rank it names."""
+    first_rank, _ = error.get_first_failure()
+    lines, status = summarize(read_ends(error, notes_dir), first_rank)
+    print("\n".join(f"paratrain run: {line}" for line in lines), file=sys.stderr)
+    return _status(status)
+
+
+def read_ends(error: ChildFailedError, notes_dir: str) -> dict[int, RankEnd]:
+    """The failed ranks, matched to their notes by pid, and the ranks of the same attempt that
+    exited with 0 (the agent does not list those)."""
+    notes = {}
+    for path in glob.glob(os.path.join(notes_dir, "*.json")):
+        try:
+            with open(path) as f:
+                note = json.load(f)
+            notes[note["pid"]] = note
+        except (OSError, ValueError, KeyError):
+            continue  # a note cut short: that rank is judged by its exit code alone
+    ends = {r: RankEnd(r, f.exitcode, f.pid, notes.get(f.pid, {}), _read(notes_dir, f.pid))
+            for r, f in error.failures.items()}
+    attempt = max((e.note["attempt"] for e in ends.values() if e.note), default=None)
+    for note in notes.values():
+        if note["attempt"] == attempt and note["rank"] not in ends:
+            ends[note["rank"]] = RankEnd(note["rank"], 0, note["pid"], note, "")
+    return dict(sorted(ends.items()))
+
+
+def summarize(ends: dict[int, RankEnd], first_rank: int) -> tuple[list[str], int]:
+    """The summary's lines, and the exit code of the failed rank they name first."""
+    failed = [e for e in ends.values() if e.exitcode != 0]
+    stopped = [e for e in failed if e.rank != first_rank and _stopped(e)]
+    waited = _by_time([e for e in failed if e.kind == "collective" and e not in stopped], first_rank)
+    own = _by_time([e for e in failed if e not in stopped and e not in waited], first_rank)
+    if own:
+        named, lines = own[0], [_failed(own[0])]
+    elif left := _left_early(ends, waited):
+        named, lines = waited[0], [_left_line(left, failed), _failed(waited[0])]
+    elif stragglers := [e for e in stopped if not _collective(e.stack)]:
+        named, lines = waited[0], [_straggler_line(stragglers, waited[0]), _failed(waited[0])]
+    else:  # the agent's first failure is in `own` or `waited`: here, waited[0]
+        named, lines = waited[0], [_failed(waited[0]), _waiting_everywhere(stopped)]
+    if others := [e for e in own + waited if e is not named]:
+        lines.append("also failed: " + ", ".join(f"rank {e.rank} ({_exit(e.exitcode)})" for e in others))
+    if stopped:
+        lines.append("then stopped by the launcher: " + ", ".join(f"rank {e.rank}" for e in stopped))
+    return lines, named.exitcode
+
+
+def _by_time(ends: list[RankEnd], first_rank: int) -> list[RankEnd]:
+    """The agent's first failure first, then by when each rank failed (its note's time)."""
+    return sorted(ends, key=lambda e: (e.rank != first_rank, e.note.get("time", 0)))
+
+
+def _failed(end: RankEnd) -> str:
+    what = "gave up waiting in a collective" if end.kind == "collective" else "failed"
+    pid = f", pid {end.pid}" if end.pid else ""
+    error = f": {end.note['error']}" if end.note.get("error") else ""
+    return f"rank {end.rank} {what} ({_exit(end.exitcode)}{pid}){error}; see its output above"
+
+
+def _left_early(ends: dict[int, RankEnd], waited: list[RankEnd]) -> list[RankEnd]:
+    """Ranks that exited with 0 before any rank gave up waiting (a clean exit leaves no time
+    only after os._exit: it counts too)."""
+    if not waited:
+        return []
+    gave_up = min(e.note.get("time", float("inf")) for e in waited)
+    return [e for e in ends.values() if e.exitcode == 0 and e.note.get("time", 0) <= gave_up]
+
+
+def _left_line(left: list[RankEnd], running: list[RankEnd]) -> str:
+    when = min((e.note["time"] for e in left if e.kind == "exit"), default=None)
+    at = f" at {time.strftime('%H:%M:%S', time.localtime(when))}" if when else ""
+    verb = "was" if len(running) == 1 else "were"
+    return (f"{_ranks(left)} exited cleanly (exit code 0){at} while {_ranks(running)} {verb} still "
+            f"training; the others then failed waiting for {'it' if len(left) == 1 else 'them'}")
+
+
+def _straggler_line(stragglers: list[RankEnd], waiter: RankEnd) -> str:
+    line = f"{_ranks(stragglers)} never reached the collective that rank {waiter.rank} was waiting in"
+    where = [f"rank {e.rank} was at {_where(e.stack)}" for e in stragglers if _where(e.stack)]
+    them = "it" if len(stragglers) == 1 else "them"
+    return f"{line}: when the launcher stopped {them}, {'; '.join(where)}" if where else f"{line}"
+
+
+def _waiting_everywhere(stopped: list[RankEnd]) -> str:
+    inside = ", ".join(f"rank {e.rank} in {_collective(e.stack)}" for e in stopped)
+    return ("every rank on this node was waiting in a collective" + (f" ({inside})" if inside else "")
+            + ": the rank they waited for is on another node, or the ranks called different "
+              "collectives (`paratrain run --debug-collectives` names the first that differs)")
+
+
+def _stopped(end: RankEnd) -> bool:
+    return bool(end.stack) or -end.exitcode in (signal.SIGTERM, signal.SIGKILL)
+
+
+def _frames(stack: str) -> list[re.Match]:
+    """The main thread's frames, innermost first (faulthandler lists it last)."""
+    main = stack.strip().split("\n\n")[-1] if stack.strip() else ""
+    return [m for m in map(_FRAME.match, main.splitlines()) if m]
+
+
+def _collective(stack: str) -> str | None:
+    """The torch.distributed function the stack is inside, if any."""
+    for m in _frames(stack):
+        if f"{os.sep}torch{os.sep}distributed{os.sep}" in m["file"]:
+            return m["func"]
+    return None
+
+
+def _where(stack: str) -> str | None:
+    """'train.py:12 (in step)': the innermost frame of the user's code."""
+    for m in _frames(stack):
+        if not m["file"].startswith(_LIBRARIES):
+            path = os.path.relpath(m["file"])
+            path = m["file"] if path.startswith("..") else path
+            return f"{path}:{m['line']} (in {m['func']})"
+    return None
+
+
+def _ranks(ends: list[RankEnd]) -> str:
+    ranks = ", ".join(str(e.rank) for e in ends)
+    return f"rank {ranks}" if len(ends) == 1 else f"ranks {ranks}"
+
+
+def _exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _status(exitcode: int) -> int:
+    if exitcode < 0:
+        return 128 - exitcode  # the shell's convention for "killed by signal N"
+    return exitcode if 0 < exitcode < 256 else 1
+
+
+def _read(notes_dir: str, pid: int) -> str:
+    try:
+        with open(os.path.join(notes_dir, f"{pid}.stack")) as f:
+            return f.read()
+    except OSError:
+        return ""

@@ -1,0 +1,167 @@
+"""`paratrain run` when things go wrong around the ranks (issue 16, points 16-18): a SIGKILLed
+launcher takes its workers with it, the failure summary names the rank at fault rather than the
+one that gave up waiting for it, and a master port in use is reported as such."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import textwrap
+import time
+
+import pytest
+import torch
+
+from paratrain import postmortem
+from test_cli import _running, paratrain, start
+
+# Writes its pid, then (second argument "gate") waits for a file before importing paratrain, so
+# that a test can kill the launcher before the worker has asked to die with it.
+SLEEPER = textwrap.dedent("""
+    import os, sys, time
+    out, gate = sys.argv[1], sys.argv[2]
+    rank = os.environ["RANK"]
+    with open(os.path.join(out, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    while gate == "gate" and not os.path.exists(os.path.join(out, "go")):
+        time.sleep(0.05)
+    import paratrain
+    open(os.path.join(out, f"armed{rank}"), "w").close()
+    time.sleep(120)
+""")
+
+# Two ranks train in lock step; the mode picks the rank that goes wrong and how.
+STEPS = textwrap.dedent("""
+    import sys, time
+    import torch, torch.distributed as dist
+    import paratrain as pt
+
+    topo = pt.Topology.from_env().init()
+    for step in range(40):
+        if sys.argv[1] == "rank0-sleeps" and topo.rank == 0 and step == 2:
+            time.sleep(60)  # STRAGGLER: rank 1 waits for it in the all_reduce below
+        if sys.argv[1] == "rank1-exits" and topo.rank == 1 and step == 2:
+            sys.exit(0)
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.05)
+""")
+
+
+def _wait_for(paths, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"never appeared: {[p.name for p in paths if not p.exists()]}"
+        time.sleep(0.05)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+@pytest.mark.parametrize("when", ["running", "starting"])
+def test_workers_die_when_the_launcher_is_sigkilled(tmp_path, monkeypatch, when):
+    """'running': the workers had imported paratrain; 'starting': the launcher died first, and
+    each worker finds it gone when it imports paratrain (the race that PR_SET_PDEATHSIG misses)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the killed launcher leaves its notes folder
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    out = tmp_path / "out"
+    out.mkdir()
+    launcher = start("run", "-n", "2", "sleeper.py", str(out), "gate" if when == "starting" else "-",
+                     cwd=tmp_path)
+    pids = []
+    try:
+        _wait_for([out / "pid0", out / "pid1"])
+        pids = [int((out / f"pid{r}").read_text()) for r in range(2)]
+        if when == "running":
+            _wait_for([out / "armed0", out / "armed1"])
+        os.kill(launcher.pid, signal.SIGKILL)  # what the OOM killer does
+        launcher.wait(10)
+        if when == "starting":
+            while any(_running(p) and _parent(p) == launcher.pid for p in pids):
+                time.sleep(0.05)  # re-parented: the launcher is gone before they import paratrain
+            (out / "go").touch()
+        deadline = time.monotonic() + 10
+        while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive, f"workers {alive} outlived their SIGKILLed launcher by 10 s"
+    finally:
+        for pid in [p for p in pids if _running(p)]:
+            os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.communicate()
+
+
+@pytest.fixture
+def steps(tmp_path, monkeypatch):
+    monkeypatch.delenv("PARATRAIN_DEBUG_COLLECTIVES", raising=False)  # it changes torch's messages
+    (tmp_path / "steps.py").write_text(STEPS)
+    return tmp_path
+
+
+def test_summary_blames_the_rank_that_never_reached_the_collective(steps):
+    proc = paratrain("run", "-n", "2", "--timeout", "3", "steps.py", "rank0-sleeps", cwd=steps)
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("paratrain run:")]
+    line = STEPS.splitlines().index(next(s for s in STEPS.splitlines() if "STRAGGLER" in s)) + 1
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert summary[0] == ("paratrain run: rank 0 never reached the collective that rank 1 was waiting "
+                          f"in: when the launcher stopped it, rank 0 was at steps.py:{line} (in <module>)")
+    assert summary[1].startswith("paratrain run: rank 1 gave up waiting in a collective (exit code 1")
+    assert "Timed out" in summary[1]
+
+
+def test_summary_names_a_rank_that_exited_cleanly_while_others_trained(steps):
+    proc = paratrain("run", "-n", "2", "--timeout", "5", "steps.py", "rank1-exits", cwd=steps)
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("paratrain run:")]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert summary[0].startswith("paratrain run: rank 1 exited cleanly (exit code 0) at "), summary
+    assert summary[0].endswith(" while rank 0 was still training; the others then failed waiting for it")
+    assert summary[1].startswith("paratrain run: rank 0 gave up waiting in a collective (exit code 1")
+
+
+def test_master_port_in_use_is_reported_as_such(tmp_path):
+    (tmp_path / "hello.py").write_text("print('hello')\n")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = paratrain("run", "-n", "1", "--master-port", str(port), "hello.py", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.endswith(
+        f"paratrain run: port {port} on 127.0.0.1 is already in use; pass another --master-port "
+        "(or leave it out on a single node, which picks a free port)\n"), proc.stderr[-3000:]
+    assert "hello" not in proc.stdout and "could not meet" not in proc.stderr
+
+
+def _end(rank, exitcode, kind, stack="", t=0.0, error=""):
+    return postmortem.RankEnd(rank, exitcode, 100 + rank, dict(kind=kind, time=t, error=error), stack)
+
+
+IN_ALL_REDUCE = textwrap.dedent("""\
+    Current thread 0x1 (most recent call first):
+      File "/x/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+      File "/home/me/train.py", line 9 in <module>
+""").replace("/x/site-packages/torch/", os.path.dirname(torch.__file__) + "/")
+
+
+def test_a_rank_own_exception_is_blamed_before_a_clean_exit():
+    """Rank 2 finished early, but rank 1's own ValueError came first in the blame order."""
+    ends = {0: _end(0, 1, "collective", t=3.0), 1: _end(1, 1, "exception", t=4.0, error="ValueError: x"),
+            2: _end(2, 0, "exit", t=1.0)}
+    lines, status = postmortem.summarize(ends, first_rank=0)
+    assert lines == ["rank 1 failed (exit code 1, pid 101): ValueError: x; see its output above",
+                     "also failed: rank 0 (exit code 1)"]
+    assert status == 1
+
+
+def test_ranks_waiting_in_collectives_everywhere_are_not_called_stragglers():
+    """Rank 1 was stopped inside another collective: the ranks disagree, or the culprit is on
+    another node; neither rank is named as the one that never came."""
+    ends = {0: _end(0, 1, "collective", t=3.0), 1: _end(1, -signal.SIGTERM, "running", IN_ALL_REDUCE)}
+    lines, _ = postmortem.summarize(ends, first_rank=0)
+    assert lines[0].startswith("rank 0 gave up waiting in a collective (exit code 1, pid 100)")
+    assert lines[1].startswith("every rank on this node was waiting in a collective (rank 1 in all_reduce)")
+    assert "--debug-collectives" in lines[1] and "never reached" not in " ".join(lines)
