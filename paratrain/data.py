@@ -43,10 +43,10 @@ class DistributedSampler(Sampler[int]):
 
     Resuming: `state_dict()` (the same on every rank; save rank 0's) records the epoch and how many
     samples of its order all ranks together have consumed; `load_state_dict()` makes the next pass
-    continue from there, under any world size. The count comes from indices this sampler has handed
-    out, which is exact with a `DataLoader(num_workers=0)`. A loader with workers fetches ahead, so
-    there count the steps yourself and call `set_position(steps * global_batch_size)` after
-    `set_epoch()` when resuming.
+    continue from there, under any world size. Alone, the count comes from indices this sampler
+    has handed out, which is exact with a `DataLoader(num_workers=0)` and a loop that fetches no
+    batch ahead. A Session counts instead the batches whose optimizer step completed
+    (`ShardedLoader`), which is exact with workers and with loops that prefetch.
     """
 
     def __init__(self, dataset: Sized | int, num_replicas: int | None = None, rank: int | None = None,
@@ -84,10 +84,15 @@ class DistributedSampler(Sampler[int]):
             return self.dataset_len
         return min(self._start + self._yielded * self.num_replicas, self.dataset_len)
 
-    def state_dict(self) -> dict[str, int | bool]:
-        """Plain ints and bools: where this epoch stands, identical on every rank at the same step."""
+    def state_dict(self, per_replica_samples: int | None = None) -> dict[str, int | bool]:
+        """Plain ints and bools: where this epoch stands, identical on every rank at the same step.
+        `per_replica_samples`: count the pass in progress as this many samples per replica from
+        its start (what a Session has trained on), instead of the indices handed out."""
+        consumed = self.consumed
+        if per_replica_samples is not None:
+            consumed = min(self._pass_start_or_next() + per_replica_samples * self.num_replicas, self.dataset_len)
         return dict(epoch=self.epoch, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
-                    consumed=self.consumed, dataset_len=self.dataset_len)
+                    consumed=consumed, dataset_len=self.dataset_len)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the saved epoch at its saved position; the world size may differ from the saver's."""
@@ -147,11 +152,44 @@ class DistributedSampler(Sampler[int]):
             return self._pending
         return 0 if self._exhausted else self._start
 
+    def _pass_start_or_next(self) -> int:
+        """Where the pass in progress started; before any pass, where the next one will."""
+        return self._start if (self._yielded or self._exhausted) else (self._pending or 0)
+
     def _reset_position(self) -> None:
         self._pending: int | None = None  # where the next pass starts; None: at 0
         self._start = 0  # where the current pass started in the global order
         self._yielded = 0  # indices this rank has handed out in the current pass
         self._exhausted = False  # the current pass ran to its end
+
+
+class ShardedLoader(DataLoader):
+    """The loader `shard_loader` returns: a DataLoader that also counts, in the pass in progress,
+    the batches it handed out and those whose optimizer step completed (Session.step tells it),
+    so a checkpoint records the data trained on, not what workers or a prefetching loop fetched
+    ahead. A batch fetched ahead across an epoch's end counts towards the new pass."""
+
+    passes = 0  # iterations begun
+    delivered = 0  # batches handed out in this pass
+    trained = 0  # of those, batches whose backward completed
+    stepped = 0  # of those, batches whose optimizer step completed
+
+    def __iter__(self):
+        self.passes += 1
+        self.delivered = self.trained = self.stepped = 0
+        for batch in super().__iter__():
+            self.delivered += 1
+            yield batch
+
+    def count_trained(self, optimizer_stepped: bool) -> None:
+        """One more micro-batch of this pass trained; all trained so far stepped, if it stepped."""
+        self.trained = min(self.trained + 1, self.delivered)
+        if optimizer_stepped:
+            self.stepped = self.trained
+
+    def position(self) -> dict:
+        """The sampler's state counting the batches whose optimizer step completed."""
+        return self.sampler.state_dict(per_replica_samples=self.stepped * self.batch_size)
 
 
 def shard_loader(loader: DataLoader, *, replicas: int, index: int, seed: int, rank: int,
@@ -173,7 +211,7 @@ def shard_loader(loader: DataLoader, *, replicas: int, index: int, seed: int, ra
     # its own generator: starting an iterator draws the workers' base seed from it, and from
     # torch's global RNG without one, which would shift dropout masks after a resume
     generator = torch.Generator().manual_seed(seed + rank)
-    return DataLoader(loader.dataset, batch_size=batch // replicas, sampler=sampler, generator=generator,
+    return ShardedLoader(loader.dataset, batch_size=batch // replicas, sampler=sampler, generator=generator,
                       num_workers=loader.num_workers, collate_fn=loader.collate_fn,
                       pin_memory=loader.pin_memory or pin_memory, drop_last=loader.drop_last,
                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import group_device
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, UsageError
 
 
 def check_optimizer_owns(optimizer: torch.optim.Optimizer, params) -> None:
@@ -63,12 +63,29 @@ def clip_grad_norm_over(grads: list[torch.Tensor], max_norm: float, group=None) 
     return norm
 
 
-def refuse_scheduler_on_replaced(given: torch.optim.Optimizer | None, used: torch.optim.Optimizer | None,
-                                 strategy: str) -> None:
-    """A learning-rate scheduler made on `given` before a strategy replaced it with `used` would
-    change the learning rate of an optimizer that no longer steps."""
-    if given is not None and used is not given and hasattr(given.step, "_wrapped_by_lr_sched"):
+def retire_replaced(given: torch.optim.Optimizer | None, used: torch.optim.Optimizer | None,
+                    strategy: str) -> None:
+    """`used` replaced `given` (a sharded or pipeline strategy rebuilt it): stepping `given` from
+    now on raises, and its param_groups become `used`'s, so a learning rate changed through it
+    (by hand, or by a scheduler created on it after setup) reaches the optimizer that steps.
+    A scheduler created on `given` before setup is refused: its state would follow the old one."""
+    if given is None or used is given:
+        return
+    if hasattr(given.step, "_wrapped_by_lr_sched"):
         raise ConfigError(f"a learning-rate scheduler was created on the optimizer before setup(), but "
                           f"{strategy} replaces that optimizer, so the scheduler would change "
                           "the learning rate of one that no longer steps: create the scheduler from "
                           "the optimizer setup() returns")
+    given.param_groups = used.param_groups
+
+    def refuse(optimizer, args, kwargs):
+        raise UsageError(f"this optimizer was passed to setup(), and {strategy} replaced it: step the "
+                         "optimizer setup() returned (`model, optimizer, loader = session.setup(...)`); "
+                         "this one would change nothing, or not the parameters that train")
+    given.register_step_pre_hook(refuse)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameters of `model`, tied weights counted once."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)

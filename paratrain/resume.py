@@ -4,7 +4,8 @@ checkpoint.py stores model and optimizer in the canonical layout; a session also
 in the data and its randomness:
 
     epoch, micro_step      where the loop is (micro-batches seen; a step every `accumulate`)
-    sampler                the DistributedSampler's position inside the epoch
+    sampler                the position inside the epoch: the batches whose optimizer step
+                           completed (data.ShardedLoader), not those workers fetched ahead
     scaler                 fp16's loss scale and its growth counter
     objects                the state_dict() of each object passed to `session.register(name=obj)`
                            (LR schedulers, counters of your own), JSON, under its name
@@ -12,6 +13,13 @@ in the data and its randomness:
 
 All but `rng` are JSON in the checkpoint's metadata, the same on every rank. RNG states are
 restored only under the world size that saved them (another world draws other streams anyway).
+
+[Note: a checkpoint is taken at an optimizer step]
+Gradients accumulated between optimizer steps are not saved (under no_sync each rank holds its
+own, unreduced). So a checkpoint taken in the middle of an accumulation window records the loop
+as it was at the window's start — epoch, micro-step, data position and RNG states, snapshotted at
+every optimizer step when accumulate > 1 — and a resumed run trains that window again from its
+first micro-batch, exactly as the uninterrupted run did.
 
 `SessionCheckpoints` holds the Session's checkpoint methods (the Session class inherits them).
 """
@@ -23,10 +31,15 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+
 from paratrain import checkpoint
-from paratrain.data import DistributedSampler
-from paratrain.errors import ConfigError, UsageError
-from paratrain.parallel.base import full_state_dict
+from paratrain.comm import group_device
+from paratrain.data import DistributedSampler, ShardedLoader
+from paratrain.errors import CheckpointError, ConfigError, UsageError
+from paratrain.parallel.base import ParallelModule, full_state_dict
+from paratrain.state_layout import layout_of
 
 if TYPE_CHECKING:
     from paratrain.session import Session
@@ -47,6 +60,7 @@ class SessionCheckpoints:
         """Save model, optimizer, epoch and micro-step, the sampler's position, registered objects
         and every rank's RNG states to `path` (checkpoint.py: sharded, atomic). A collective:
         every rank calls it."""
+        refuse_non_finite(self._require_model(), path)
         state, rng = session_state(self)
         return checkpoint.save(path, self._require_model(), self.optimizer, state=state, rng=rng)
 
@@ -81,9 +95,46 @@ def check_registrable(name: str, obj: Any) -> None:
                          f"load_state_dict(), such as an LR scheduler; got {type(obj).__name__}")
 
 
+def position(session: "Session") -> dict:
+    """Where the loop stands now: epoch, micro-step, data position, this rank's RNG states."""
+    rng = checkpoint.rng_state()
+    if session.loader is not None:
+        rng["loader"] = session.loader.generator.get_state()
+    loader = session.loader if isinstance(session.loader, ShardedLoader) else None
+    return dict(epoch=session.epoch, micro_step=session.micro_step,
+                sampler=loader.position() if loader is not None else None, rng=rng)
+
+
+def refuse_non_finite(model: ParallelModule, path: Any) -> None:
+    """Never write NaN or infinite parameters over a good checkpoint: every rank checks what it
+    holds, and one small all-reduce makes every rank refuse together (a collective, as save is)."""
+    layout = layout_of(model)
+    held = {**layout.params, **{f"flat shard {i}": t for i, t in enumerate(layout.flat)}}
+    bad = [name for name, t in held.items() if not bool(torch.isfinite(t.detach()).all())]
+    flag = torch.tensor([float(bool(bad))])
+    if dist.is_initialized():
+        flag = flag.to(group_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise CheckpointError(f"not saving {path}: the parameters hold NaN or infinite values "
+                              f"({', '.join(bad[:5]) or 'on another rank'}); the checkpoints saved "
+                              "before are intact, and the newest of them is the newest good state")
+
+
+def note_micro_step(session: "Session", optimizer_step: bool) -> None:
+    """A micro-batch's step() finished: the loader counts it as trained (and stepped, at an
+    optimizer step), and with accumulate > 1 an optimizer step snapshots the loop's position."""
+    if isinstance(session.loader, ShardedLoader):
+        session.loader.count_trained(optimizer_stepped=optimizer_step)
+    if optimizer_step and session.accumulate > 1:
+        session.step_boundary = position(session)
+
+
 def session_state(session: "Session") -> tuple[dict, dict]:
-    """(JSON state, this rank's RNG tensors) of `session` for checkpoint.save."""
-    sampler = session.loader.sampler if session.loader is not None else None
+    """(JSON state, this rank's RNG tensors) of `session` for checkpoint.save, as at the last
+    optimizer step (see [Note: a checkpoint is taken at an optimizer step])."""
+    mid_window = session.micro_step % session.accumulate != 0
+    where = session.step_boundary if mid_window and session.step_boundary is not None else position(session)
     objects = {}
     for name, obj in session.registered.items():
         objects[name] = obj.state_dict()
@@ -93,14 +144,10 @@ def session_state(session: "Session") -> tuple[dict, dict]:
             raise ConfigError(f"the state_dict() of registered object {name!r} is not JSON ({e}); "
                               "checkpoints store JSON, never pickles: register only objects whose "
                               "state is numbers, strings, lists and dicts") from None
-    state = {"epoch": session.epoch, "micro_step": session.micro_step, "strategy": session.strategy.name,
-             "sampler": sampler.state_dict() if isinstance(sampler, DistributedSampler) else None,
-             "scaler": session.scaler.state_dict() if session.scaler is not None else None,
+    state = {"epoch": where["epoch"], "micro_step": where["micro_step"], "strategy": session.strategy.name,
+             "sampler": where["sampler"], "scaler": session.scaler.state_dict() if session.scaler is not None else None,
              "objects": objects}
-    rng = checkpoint.rng_state()
-    if session.loader is not None:
-        rng["loader"] = session.loader.generator.get_state()
-    return state, rng
+    return state, where["rng"]
 
 
 def restore_session(session: "Session", loaded: dict, path: Any) -> None:
@@ -122,3 +169,4 @@ def restore_session(session: "Session", loaded: dict, path: Any) -> None:
         checkpoint.set_rng_state(loaded["rng"])
         if "loader" in loaded["rng"] and session.loader is not None:
             session.loader.generator.set_state(loaded["rng"]["loader"])
+    session.step_boundary = None  # the loaded state is at an optimizer step

@@ -30,11 +30,12 @@ from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.data import shard_loader
 from paratrain.errors import ConfigError, UsageError
 from paratrain.metrics import MetricsLogger
-from paratrain.optim import refuse_scheduler_on_replaced
-from paratrain.parallel.base import ParallelModule, Strategy, full_state_dict
+from paratrain.optim import count_parameters, retire_replaced
+from paratrain.parallel.base import ParallelModule, Strategy, check_loss, full_state_dict, uncompiled
 from paratrain.precision import GradScaler, autocast_dtype
 from paratrain.progress import progress
-from paratrain.resume import SessionCheckpoints
+from paratrain.resume import SessionCheckpoints, note_micro_step, position
+from paratrain.step import check_finite_loss, optimizer_step
 from paratrain.strategy import resolve
 from paratrain.topology import Topology, destroy
 
@@ -91,6 +92,9 @@ class Session(SessionCheckpoints):
         self.last_loss: torch.Tensor | None = None
         self.samples_per_second = 0.0  # global throughput of the last progress() loop
         self.registered: dict[str, Any] = {}  # name → object whose state checkpoints carry
+        self._in_micro_batch = False  # an accumulation() block was entered, step() not yet called
+        self._parameters = (0, 0)  # (all, trainable) of the model given to setup()
+        self.step_boundary: dict | None = None  # the loop at the last optimizer step (resume.py)
         torch.manual_seed(seed)
 
     # -- facts about the job -------------------------------------------------------------------
@@ -114,9 +118,11 @@ class Session(SessionCheckpoints):
         if self.model is not None:
             raise UsageError("setup() was already called on this session: keep using the model, "
                              "optimizer and loader it returned, or make a new Session for another model")
+        self._parameters = count_parameters(model)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid)
-        refuse_scheduler_on_replaced(optimizer, self.optimizer, self.strategy.name)
+        retire_replaced(optimizer, self.optimizer, self.strategy.name)
         self.loader = self.shard_loader(loader) if loader is not None else None
+        self.step_boundary = position(self) if self.accumulate > 1 else None
         out = [self.model] + [x for x in (self.optimizer, self.loader) if x is not None]
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -133,7 +139,7 @@ class Session(SessionCheckpoints):
         ZeRO stage 3 its parameters are gathered only inside the wrapper's forward: evaluate
         through the wrapped model, or load `full_state_dict()` into a fresh copy."""
         model = model or self._require_model()
-        return model.module if isinstance(model, ParallelModule) else model
+        return uncompiled(model.module if isinstance(model, ParallelModule) else model)
 
     def gather_embeddings(self, x: torch.Tensor, scope: str = "world") -> Gathered:
         """Every rank's rows of `x` ("world"), this node's ranks' ("node") or this rank's own
@@ -142,6 +148,17 @@ class Session(SessionCheckpoints):
         A collective: every rank calls it."""
         groups = self.grid.node_groups() if scope == "node" else None  # built on first use
         return gather_embeddings(x, scope=scope, groups=groups)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Parameters of the whole model given to setup() (tied weights once), whatever part of it
+        this rank holds: what model-size and MFU arithmetic needs, also under ZeRO-3 and pipelines."""
+        return self._parameters[1 if trainable_only else 0]
+
+    @property
+    def rank_seed(self) -> int:
+        """A seed that differs between ranks, for code that must draw differently on each (its own
+        batch sampling); `Session(seed=...)` seeds torch alike on every rank."""
+        return self.seed * 100_003 + 1 + self.rank
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict with its own keys, on every rank (a collective)."""
@@ -161,10 +178,11 @@ class Session(SessionCheckpoints):
                              "session.backward(loss)`, then `session.step()`")
         inputs, targets = self.to_device(batch)
         model = self._require_model()
+        def checked(outputs: Any, targets: Any) -> torch.Tensor:  # before backward: a NaN loss stops
+            return self._check_finite(check_loss(loss_fn(outputs, targets)))  # its own rank, not a peer
+
         with self.accumulation():
-            scale = self._loss_factor(weight)
-            loss = model.forward_backward(inputs, targets, loss_fn, scale)
-        self._check_finite(loss)
+            loss = model.forward_backward(inputs, targets, checked, self._loss_factor(weight))
         self.step()
         self.last_loss = loss
         return loss
@@ -175,6 +193,11 @@ class Session(SessionCheckpoints):
         micro-batches, gradients accumulate locally with no communication. Under precision
         "bf16"/"fp16" the block runs under `torch.autocast`. Yields whether this micro-batch
         ends an optimizer step."""
+        if self._in_micro_batch:
+            raise UsageError(f"accumulation() was entered again before session.step(): call step() after "
+                             f"every micro-batch's backward (it steps the optimizer on every {self.accumulate}"
+                             f"th call, accumulate={self.accumulate}), not once after several blocks")
+        self._in_micro_batch = True
         last = (self.micro_step + 1) % self.accumulate == 0
         sync = contextlib.nullcontext() if last else self._require_model().no_sync()
         with sync, self.autocast():
@@ -200,16 +223,15 @@ class Session(SessionCheckpoints):
             mask = targets != PAD
             loss = session.train_step((x, targets), lambda out, y: F.cross_entropy(
                 out.flatten(0, 1), y.flatten(), ignore_index=PAD), weight=mask.sum())"""
-        self._check_finite(loss)
+        self._check_finite(check_loss(loss))
         (loss * self._loss_factor(weight)).backward()
 
     def _loss_factor(self, weight: float | torch.Tensor | None) -> float:
         """What backward multiplies this micro-batch's loss by: 1/accumulate, or its weight
         (normalised in step()), times the fp16 loss scale."""
         if weight is not None and not self._require_model().supports_token_weights:
-            raise UsageError("weight= is not supported with strategy 'pipeline' yet: its "
-                             "micro-batches are cut inside the schedule; pass losses averaged "
-                             "over equal numbers of tokens, or use a data-parallel strategy")
+            raise UsageError("weight= is not supported with strategy 'pipeline' yet: its micro-batches are cut "
+                             "inside the schedule; pass losses averaged over equal numbers of tokens")
         factor = self._weights.add(weight, self.accumulate)
         return factor * (self.scaler.scale_value if self.scaler is not None else 1.0)
 
@@ -218,38 +240,22 @@ class Session(SessionCheckpoints):
         gradients, unscale (fp16), clip, step and zero the gradients. Returns True when the
         optimizer stepped (under fp16 every rank skips a step whose gradients overflowed)."""
         self.micro_step += 1
+        self._in_micro_batch = False
         if self.micro_step % self.accumulate:
+            note_micro_step(self, optimizer_step=False)
             return False
         if self.optimizer is None:
             raise UsageError("step() needs an optimizer: pass it to session.setup(model, optimizer)")
-        model = self._require_model()
-        factor = self._weights.normaliser(model.replicas)
-        found_inf = False
-        if self.scaler is not None or factor != 1.0:
-            grads, group = model.local_grads()
-            if self.scaler is not None:  # unscale before clipping: max_grad_norm is in true units
-                found_inf = self.scaler.unscale_(grads, group, factor=factor)
-            else:
-                for g in grads:
-                    g.mul_(factor)
-        if self.max_grad_norm is not None and not found_inf:
-            model.clip_grad_norm_(self.max_grad_norm)
-        if not found_inf:  # every rank agrees: the flag was reduced over the gradients' holders
-            self.optimizer.step()
-        if self.scaler is not None:
-            self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return not found_inf
+        stepped = optimizer_step(self._require_model(), self.optimizer, weights=self._weights, scaler=self.scaler,
+                                 max_grad_norm=self.max_grad_norm, check_finite=self.nan_check)
+        note_micro_step(self, optimizer_step=True)
+        return stepped
 
-    def _check_finite(self, loss: torch.Tensor) -> None:
-        """Stop before a NaN or infinite loss reaches the parameters. Only the rank that sees it
-        raises; the launcher then stops the others (their next collective would otherwise wait)."""
-        if self.nan_check and not bool(torch.isfinite(loss.detach()).all()):
-            raise UsageError(f"the loss is {loss.detach().float().mean().item()} at optimizer step "
-                             f"{self.micro_step // self.accumulate} (micro-batch {self.micro_step}, epoch "
-                             f"{self.epoch}) on rank {self.rank}; the optimizer did not step. Lower the "
-                             "learning rate, clip gradients (Session(max_grad_norm=...)), check this batch's "
-                             "inputs and targets, or pass Session(nan_check=False) to go on regardless")
+    def _check_finite(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.nan_check:  # only the rank that sees it raises; the launcher stops the others
+            check_finite_loss(loss, lambda: f"optimizer step {self.micro_step // self.accumulate} (micro-batch "
+                                            f"{self.micro_step}, epoch {self.epoch}) on rank {self.rank}")
+        return loss
 
     def to_device(self, batch: Any) -> Any:
         """`batch` with every tensor moved to this rank's device."""
@@ -263,8 +269,6 @@ class Session(SessionCheckpoints):
         sampler is reshuffled for `session.epoch`, which then advances. Other loaders (validation)
         are iterated as they are."""
         return progress(self, loader, desc)
-
-    # -- metrics -----------------------------------------------------------------------------------
 
     def log(self, step: int | None = None, **metrics: Any) -> dict[str, float]:
         """Average scalar `metrics` over ranks and append them as one row of `log_dir/metrics.csv`

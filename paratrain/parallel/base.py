@@ -27,12 +27,14 @@ the wrapper and the optimizer that steps it; it sits in the wrapper's own file, 
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
 
+from paratrain.errors import UsageError
 from paratrain.grid import ProcessGrid
 from paratrain.optim import check_optimizer_owns
 from paratrain.topology import Topology
@@ -75,8 +77,8 @@ class CheckpointLayout:
     def whole(cls, module: nn.Module, flat: dict | None = None,
               shapes: dict[str, torch.Size] | None = None) -> "CheckpointLayout":
         """A rank holding `module`'s parameters whole (and maybe flat optimizer shards)."""
-        params = dict(module.named_parameters())
-        return cls(params, flat or {}, False, dict(module.named_buffers()),
+        params = {user_key(n): p for n, p in module.named_parameters()}
+        return cls(params, flat or {}, False, {user_key(n): b for n, b in module.named_buffers()},
                    shapes if shapes is not None else {n: p.shape for n, p in params.items()})
 
 
@@ -100,7 +102,7 @@ class ParallelModule(nn.Module):
             self.require_backward_grad_sync = previous
 
     def forward_backward(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
-        loss = loss_fn(self(inputs), targets)
+        loss = check_loss(loss_fn(self(inputs), targets))
         (loss * scale).backward()
         return loss.detach()
 
@@ -117,7 +119,21 @@ class ParallelModule(nn.Module):
         return CheckpointLayout.whole(self.module)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.module.state_dict()
+        return {user_key(k): v for k, v in self.module.state_dict().items()}
+
+
+def user_key(name: str) -> str:
+    """A parameter's name as the user's own model has it: `torch.compile` wraps a module in an
+    OptimizedModule whose names gain `_orig_mod.`, which a checkpoint or an export must not
+    keep (the plain model would not load them)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod") if "_orig_mod" in name else name
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module `torch.compile` wrapped, or `module` itself (dynamo is imported only by code
+    that compiled something, so it is looked up, not imported)."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    return module._orig_mod if dynamo is not None and isinstance(module, dynamo.OptimizedModule) else module
 
 
 class Strategy:
@@ -147,3 +163,16 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict with the user's keys, whatever wraps it (a collective under
     sharded strategies); a plain module's own state dict."""
     return model.full_state_dict() if isinstance(model, ParallelModule) else model.state_dict()
+
+
+def check_loss(loss: Any) -> torch.Tensor:
+    """The loss a loss function returned, refused when it cannot be backpropagated."""
+    if loss is None:
+        raise UsageError("the loss function returned None: a model called without labels returns no "
+                         "loss (transformers models compute it only when given labels=); return a scalar "
+                         "tensor such as F.cross_entropy(outputs, targets)")
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+        raise UsageError(f"the loss function returned {shape}, not a scalar: reduce it to one number "
+                         "(a mean over the batch, e.g. reduction='mean') before backward")
+    return loss

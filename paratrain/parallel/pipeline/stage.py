@@ -37,7 +37,7 @@ from torch import nn
 from paratrain import comm
 from paratrain.errors import ConfigError, UsageError
 from paratrain.optim import clip_grad_norm_over
-from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule
+from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule, check_loss, user_key
 from paratrain.parallel.buckets import DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, AllReduce
 from paratrain.parallel.grad_sync import GradSync
 from paratrain.parallel.pipeline.p2p import StageLinks, broadcast_output
@@ -157,7 +157,7 @@ class PipelineStage(ParallelModule):
             x.requires_grad_()  # its gradient is what backward sends to the previous stage
         y = self.module(x)
         if self.links.is_last:
-            y = self._loss_fn(y, self._targets[i])
+            y = check_loss(self._loss_fn(y, self._targets[i]))
             self._losses.append(y.detach())
         else:
             self._check_output(y)
@@ -250,14 +250,14 @@ class PipelineStage(ParallelModule):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict with its own keys (a stage's keys are the model's), on
         every rank of the pipeline, on CPU (collective over the pipeline)."""
-        mine = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        mine = {user_key(k): v.detach().cpu() for k, v in self.module.state_dict().items()}
         return {k: v for part in self._from_every_stage(mine) for k, v in part.items()}
 
     def model_shapes(self) -> dict[str, torch.Size]:
         """Name → shape of every parameter of the whole model, in stage order (collective over
         the pipeline the first time): what a checkpoint records to recognise its model."""
         if self._model_shapes is None:
-            mine = {n: p.shape for n, p in self.module.named_parameters()}
+            mine = {user_key(n): p.shape for n, p in self.module.named_parameters()}
             self._model_shapes = {n: s for part in self._from_every_stage(mine) for n, s in part.items()}
         return self._model_shapes
 

@@ -24,7 +24,7 @@ from paratrain.comm import broadcast_coalesced
 from paratrain.errors import ConfigError
 from paratrain.grid import ProcessGrid
 from paratrain.optim import rebuild_optimizer
-from paratrain.parallel.base import Strategy
+from paratrain.parallel.base import Strategy, uncompiled
 from paratrain.parallel.pipeline.partition import BALANCES, layer_costs, split_model
 from paratrain.parallel.pipeline.schedules import SCHEDULES
 from paratrain.parallel.pipeline.stage import PipelineStage
@@ -59,9 +59,9 @@ class Pipeline(Strategy):
         """This rank's stage on its device, its replicas starting from the first replica's
         parameters, and the optimizer rebuilt for the stage (`stage_optimizer`). Collective:
         every rank asks the grid for the same groups, in the same order."""
-        (pipe_group, _), (dp_group, _) = grid.group("pp"), grid.group("dp")
         pieces = self._cut(model)
         _refuse_weights_tied_across_stages(pieces)
+        (pipe_group, _), (dp_group, _) = grid.group("pp"), grid.group("dp")
         module = pieces[grid.stage].to(grid.topology.device)
         broadcast_coalesced([*module.parameters(), *module.buffers()], dp_group)
         stage = PipelineStage(module, stage=grid.stage, stages=self.stages, schedule=SCHEDULES[self.schedule],
@@ -70,6 +70,10 @@ class Pipeline(Strategy):
         return stage, stage_optimizer(optimizer, module) if optimizer is not None else None
 
     def _cut(self, model: nn.Module) -> list[nn.Module]:
+        if uncompiled(model) is not model:
+            raise ConfigError("torch.compile(model) wraps the model in one compiled module, which a pipeline "
+                              "cannot cut into stages: compile the layers in place instead "
+                              "(`for layer in model: layer.compile()`) before setup")
         costs = None  # one per layer; None: every layer costs 1
         if isinstance(model, nn.Sequential) and self.balance != "layers":
             costs = layer_costs(model, self.balance, self.sample)

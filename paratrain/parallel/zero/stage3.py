@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from paratrain.comm import broadcast_coalesced
 from paratrain.errors import UsageError
 from paratrain.optim import clip_grad_norm_over
-from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule
+from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, user_key
 from paratrain.parallel.zero.collectives import OwnerCollectives
 from paratrain.parallel.zero.flat_shard import FlatShard, ParamSlot
 from paratrain.parallel.zero.units import innermost_unit, owners_by_param, release
@@ -126,6 +126,10 @@ class FullyShardedDataParallel(ParallelModule):
 
     # -- forward ------------------------------------------------------------------------------------
 
+    # [Note: ZeRO-3 under torch.compile] Its hooks gather into and free storages that are resized
+    # in place, which dynamo cannot trace (it failed inside inductor on "dynamic shapes"): a
+    # compiled ZeRO-3 model runs its forward eagerly, so it trains correctly, only uncompiled.
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self._forget_unfinished_backward()
@@ -251,30 +255,29 @@ class FullyShardedDataParallel(ParallelModule):
         """The unsharded state dict with the original keys (a collective: every rank calls it)."""
         values = self._gathered_params()
         buffers = self.module.state_dict()
-        return {k: values[k] if k in values else buffers[k] for k in self._key_order}
+        return {user_key(k): values[k] if k in values else buffers[k] for k in self._key_order}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load an unsharded state dict (from `full_state_dict` or the plain model): each rank
         keeps its slice."""
-        missing = [k for k in self._key_order if k not in state]
+        missing = [user_key(k) for k in self._key_order if user_key(k) not in state]
         if missing:
             raise UsageError(f"the state dict lacks {len(missing)} key(s) of this model, e.g. {missing[:3]}")
         for unit in self.units:
             for flat in unit.flats:
-                flat.load_values([state[s.names[0]] for s in flat.slots])
+                flat.load_values([state[user_key(s.names[0])] for s in flat.slots])
         buffers = self.module.state_dict()
-        self.module.load_state_dict({k: state[k] for k in buffers}, strict=False)
+        self.module.load_state_dict({k: state[user_key(k)] for k in buffers}, strict=False)
 
     def checkpoint_layout(self) -> CheckpointLayout:
         """The parameters live in the flat shards (each shard and the parameters its buffer
         holds); frozen parameters, which are not sharded, and buffers are whole."""
-        flat = {f.shard: FlatLayout(tuple((s.names[0], s.offset, s.shape) for s in f.slots),
+        flat = {f.shard: FlatLayout(tuple((user_key(s.names[0]), s.offset, s.shape) for s in f.slots),
                                     f.padded // self.world, self.rank, self.world)
                 for u in self.units for f in u.flats}
+        whole = CheckpointLayout.whole(self.module)  # frozen parameters and buffers
         shapes = {n: s for layout in flat.values() for n, _, s in layout.slots}
-        frozen = dict(self.module.named_parameters())
-        return CheckpointLayout(frozen, flat, True, dict(self.module.named_buffers()), {**shapes, **{
-            n: p.shape for n, p in frozen.items()}})
+        return CheckpointLayout(whole.params, flat, True, whole.buffers, {**shapes, **whole.shapes})
 
     def _gathered_params(self) -> dict[str, torch.Tensor]:
         out = {}

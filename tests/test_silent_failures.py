@@ -1,0 +1,248 @@
+"""What used to pass silently (issue 16, points 8-15): each case either works or stops with a
+paratrain error naming the cause. Every test here failed on the code before the fix."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain as pt
+from paratrain.testing import max_param_diff, run_on_ranks
+from models import make_batches, make_model
+
+XS, YS = make_batches(2, 8, seed=1)
+
+
+def _dataset(n=48):
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g))
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+# -- 9: a NaN gradient with a finite loss ----------------------------------------------------------
+
+def _nan_gradient(topo, strategy, tmp):
+    """Rank 1's gradient of one weight turns NaN in the second step; the loss stays finite."""
+    session = pt.Session(strategy, topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    model, opt = session.setup(model, _sgd(model))
+    poison = {"on": False}
+    if topo.rank == 1:  # NaN enters the first layer's gradients through its output's gradient
+        def poisoned(module, args, out):
+            if poison["on"]:
+                out.register_hook(lambda g: g * float("nan"))
+        session.unwrap(model).net[0].register_forward_hook(poisoned)
+    x, y = XS[0].chunk(2)[topo.rank], YS[0].chunk(2)[topo.rank]
+    session.train_step((x, y), F.cross_entropy)
+    session.checkpoint(tmp)  # the good state
+    before = {k: v.clone() for k, v in session.full_state_dict().items()}
+    poison["on"] = True
+    try:
+        session.train_step((x, y), F.cross_entropy)
+        error = None
+    except pt.UsageError as e:
+        error = str(e)
+    after = session.full_state_dict()
+    return error, max_param_diff(before, after)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_a_nan_gradient_stops_every_rank_before_the_step(strategy, tmp_path):
+    for error, moved in run_on_ranks(_nan_gradient, 2, strategy, str(tmp_path), timeout=120):
+        assert error is not None and "gradient is NaN or infinite although the loss was finite" in error
+        assert moved == 0  # no parameter changed
+    restored = run_on_ranks(_load_newest, 1, str(tmp_path))[0]
+    assert all(torch.isfinite(v).all() for v in restored.values())
+
+
+def _load_newest(topo, tmp):
+    session = pt.Session("single", topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    model, _ = session.setup(model, _sgd(model))
+    assert session.resume(tmp)
+    return session.full_state_dict()
+
+
+def test_non_finite_parameters_are_never_saved(tmp_path):
+    with pt.Session("single", progress_bar=False, nan_check=False) as session:
+        model = make_model("mlp")
+        model, _ = session.setup(model, _sgd(model))
+        session.train_step((XS[0], YS[0]), lambda out, y: F.cross_entropy(out, y) * float("nan"))
+        with pytest.raises(pt.CheckpointError, match="not saving .*NaN or infinite values"):
+            session.checkpoint(tmp_path)
+        assert not list(tmp_path.iterdir())
+
+
+# -- 10: stepping the optimizer given to setup, not the one it returned -------------------------------
+
+def _old_optimizer(topo, strategy):
+    session = pt.Session(pt.Pipeline(stages=2, microbatches=2) if strategy == "pipeline" else strategy,
+                         topology=topo, progress_bar=False)
+    model = make_model("mlp").net if strategy == "pipeline" else make_model("mlp")
+    old = _sgd(model)
+    model, new = session.setup(model, old)
+    for group in old.param_groups:  # an lr change through the old one reaches the new one
+        group["lr"] = 0.05
+    lrs = [g["lr"] for g in new.param_groups]
+    session.train_step((XS[0], YS[0]) if strategy == "pipeline" else (XS[0][:4], YS[0][:4]), F.cross_entropy)
+    try:
+        old.step()
+        return lrs, None
+    except pt.UsageError as e:
+        return lrs, str(e)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "pipeline"])
+def test_stepping_the_replaced_optimizer_is_refused(strategy):
+    for lrs, error in run_on_ranks(_old_optimizer, 2, strategy):
+        assert lrs and set(lrs) == {0.05}
+        assert error is not None and ("step the optimizer setup() returned" in error
+                                      or "use the optimizer that" in error)
+
+
+# -- 11, 12: the step's contract ---------------------------------------------------------------------
+
+def test_several_accumulation_blocks_before_one_step_are_refused():
+    with pt.Session("single", accumulate=2, progress_bar=False) as session:
+        model = make_model("mlp")
+        model, _ = session.setup(model, _sgd(model))
+        with session.accumulation():
+            session.backward(F.cross_entropy(model(XS[0]), YS[0]))
+        with pytest.raises(pt.UsageError, match="entered again before session.step"):
+            with session.accumulation():
+                pass
+
+
+@pytest.mark.parametrize("loss_fn,message", [
+    (lambda out, y: None, "returned None: a model called without labels"),
+    (lambda out, y: F.cross_entropy(out, y, reduction="none"), r"returned \(8,\), not a scalar"),
+])
+def test_a_loss_function_that_returns_no_scalar_is_named(loss_fn, message):
+    with pt.Session("single", progress_bar=False) as session:
+        model = make_model("mlp")
+        model, _ = session.setup(model, _sgd(model))
+        with pytest.raises(pt.UsageError, match=message):
+            session.train_step((XS[0], YS[0]), loss_fn)
+
+
+# -- 14, 15: per-rank randomness, the size of a sharded model ------------------------------------------
+
+def _seeds_and_sizes(topo):
+    session = pt.Session("zero3", topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    expected = sum(p.numel() for p in model.parameters())
+    model, _ = session.setup(model, _sgd(model))
+    session.train_step((XS[0][:4], YS[0][:4]), F.cross_entropy)
+    return session.rank_seed, session.num_parameters(), session.num_parameters(trainable_only=True), expected
+
+
+def test_rank_seeds_differ_and_parameter_counts_are_whole_under_zero3():
+    results = run_on_ranks(_seeds_and_sizes, 2)
+    assert results[0][0] != results[1][0]
+    for _, total, trainable, expected in results:
+        assert total == trainable == expected
+
+
+# -- 8: the data position counts batches trained on ---------------------------------------------------
+
+def _prefetching_loop(topo, tmp, stop_after, accumulate, workers):
+    """nanoGPT's habit: the next batch is fetched before this one's step. Checkpoint after
+    `stop_after` micro-batches (None: run through), then resume from `tmp` in a new session."""
+    states = []
+    for attempt in ("first", "resumed") if stop_after is not None else ("only",):
+        session = pt.Session("ddp", topology=topo, progress_bar=False, accumulate=accumulate, seed=5)
+        model = make_model("dropout")
+        loader = DataLoader(_dataset(), batch_size=4, shuffle=True, num_workers=workers)
+        model, opt, loader = session.setup(model, _sgd(model), loader)
+        if attempt == "resumed":
+            assert session.resume(tmp)
+        for epoch in range(session.epoch, 2):
+            batches = iter(session.progress(loader))
+            batch = next(batches, None)
+            while batch is not None:
+                upcoming = next(batches, None)  # fetched ahead of the step
+                session.train_step(batch, F.cross_entropy)
+                if attempt == "first" and session.micro_step == stop_after:
+                    session.checkpoint(tmp)
+                    break
+                batch = upcoming
+            else:
+                continue
+            break
+        states.append(session.full_state_dict())  # (both sessions share the process group)
+    return states[-1]
+
+
+@pytest.mark.parametrize("stop_after,accumulate,workers", [(5, 1, 0), (5, 2, 0), (7, 3, 0)])
+def test_a_prefetching_loop_resumes_on_the_batch_after_the_last_trained(tmp_path, stop_after, accumulate, workers):
+    """(5, 2) and (7, 3): checkpointed mid-accumulation, the window is trained again from its
+    start. (Loader workers cannot start inside run_on_ranks' daemonic ranks.)"""
+    whole = run_on_ranks(_prefetching_loop, 2, str(tmp_path / "a"), None, accumulate, workers)
+    resumed = run_on_ranks(_prefetching_loop, 2, str(tmp_path / "b"), stop_after, accumulate, workers)
+    for a, b in itertools.product(whole, resumed):
+        assert max_param_diff(a, b) == 0
+
+
+# -- 13: torch.compile ------------------------------------------------------------------------------
+
+def _compiled(topo, strategy, when, tmp):
+    """Train 3 steps with the model compiled before or after setup (dynamo's "eager" backend: the
+    tracing is real, no C++ compiler needed), checkpoint and export, and return what a user sees."""
+    session = pt.Session(strategy, topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    if when == "before":
+        model = torch.compile(model, backend="eager")
+    model, opt = session.setup(model, _sgd(model))
+    if when == "after":
+        model = torch.compile(model, backend="eager")
+    xs, ys = make_batches(3, 8)
+    for x, y in zip(xs, ys):
+        x, y = x.chunk(topo.world_size)[topo.rank], y.chunk(topo.world_size)[topo.rank]
+        session.train_step((x, y), lambda out, t: F.cross_entropy(out, t)) if when != "after" else \
+            _manual_step(session, model, x, y)
+    path = session.checkpoint(tmp)
+    session.export(f"{tmp}/model.safetensors")
+    return session.full_state_dict(), sorted(session.unwrap().state_dict()), str(path)
+
+
+def _manual_step(session, compiled, x, y):
+    with session.accumulation():
+        session.backward(F.cross_entropy(compiled(x), y))
+    session.step()
+
+
+def _reference_mlp(steps=3):
+    model = make_model("mlp")
+    opt = _sgd(model)
+    for x, y in zip(*make_batches(steps, 8)):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("strategy,when", [("ddp", "before"), ("zero3", "before"), ("zero3", "after")])
+def test_compiled_models_train_checkpoint_and_export_with_the_models_own_keys(strategy, when, tmp_path):
+    from safetensors.torch import load_file
+
+    reference = _reference_mlp()
+    expected = sorted(reference.state_dict())
+    for state, unwrapped_keys, _ in run_on_ranks(_compiled, 2, strategy, when, str(tmp_path), timeout=300):
+        assert sorted(state) == expected and max_param_diff(state, reference.state_dict()) < 1e-6
+        if strategy == "ddp":
+            assert unwrapped_keys == expected  # session.unwrap() is the model itself, not the compiled wrapper
+    plain = make_model("mlp")
+    plain.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=True)  # no _orig_mod. keys
+    restored = run_on_ranks(_load_newest, 1, str(tmp_path))[0]  # resumed without compile
+    assert max_param_diff(restored, reference.state_dict()) < 1e-6
+
+
+def test_a_compiled_model_cannot_be_cut_into_pipeline_stages():
+    topo = pt.Topology.from_env({}, rank=0, world_size=2)
+    with pytest.raises(pt.ConfigError, match="compile the layers in place"):
+        pt.Pipeline(stages=2).setup(torch.compile(make_model("mlp").net), None, pt.ProcessGrid(topo))
