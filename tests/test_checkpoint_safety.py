@@ -1,0 +1,153 @@
+"""Checkpoints that a restart or a cluster can break (issue 16): the newest is the one written
+last, damage is detected, and errors name the cause and the file."""
+
+import contextlib
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain as pt
+from paratrain import checkpoint
+from paratrain.testing import assert_same_params, run_on_ranks
+from models import make_batches, make_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _session(topo, accumulate=1):
+    session = pt.Session("ddp", topology=topo, progress_bar=False, seed=3, accumulate=accumulate)
+    xs, ys = make_batches(1, 64, seed=7)
+    model = make_model("mlp")
+    session.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                  DataLoader(TensorDataset(xs[0], ys[0]), batch_size=8, shuffle=True))
+    return session
+
+
+def _train(session, until_step, root=None):
+    """Train until `until_step` optimizer steps in all, with `checkpoint(root)` after each."""
+    while session.micro_step // session.accumulate < until_step:
+        for batch in session.progress(session.loader):
+            session.train_step(batch, F.cross_entropy)
+            if root and session.micro_step % session.accumulate == 0:
+                session.checkpoint(root, keep=3)
+            if session.micro_step // session.accumulate >= until_step:
+                break
+
+
+def _steps_in(root):
+    return sorted(p.name for p in Path(root).glob("step-*"))
+
+
+# -- 1. the newest checkpoint is the one written last ------------------------------------------
+
+
+def _accumulate_changes(topo, root):
+    _train(_session(topo, accumulate=1), 8, root)  # keeps step-6, 7, 8
+    second = _session(topo, accumulate=2)
+    assert second.resume(root) and second.micro_step == 8  # optimizer step 4 at accumulate=2
+    _train(second, 7, root)  # writes step-5, then step-6 and step-7 over the first run's
+    third = _session(topo, accumulate=2)
+    third.resume(root)
+    replaced = json.loads((Path(root) / "step-00000006" / "paratrain.json").read_text())
+    return (third.micro_step, second.full_state_dict(), third.full_state_dict(), _steps_in(root),
+            checkpoint.latest(root).name, replaced["state"]["micro_step"])
+
+
+def test_after_accumulate_changes_resume_and_prune_follow_the_order_of_writing(tmp_path):
+    for micro, second, third, left, newest, replaced in run_on_ranks(_accumulate_changes, 2, str(tmp_path)):
+        assert micro == 14  # step-7 of the second run, not the stale step-8 of the first
+        assert_same_params(third, second, atol=0)
+        assert left == ["step-00000005", "step-00000006", "step-00000007"]  # the stale step-8 pruned
+        assert newest == "step-00000007"
+        assert replaced == 12  # step-6 now holds the second run's state
+
+
+# -- 3. flipped bits are detected -------------------------------------------------------------
+
+
+def _flip(path: Path, count: int) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bits_in_a_shard_are_detected_at_load(tmp_path):
+    model = torch.nn.Linear(256, 256)
+    checkpoint.save(tmp_path / "step-00000001", model)
+    checkpoint.save(tmp_path / "step-00000002", model)
+    _flip(tmp_path / "step-00000002" / "__0_0.distcp", 400)
+    with pytest.raises(pt.ConfigError, match="__0_0.distcp does not match the sha256"):
+        checkpoint.load(tmp_path / "step-00000002", torch.nn.Linear(256, 256))
+    assert checkpoint.latest(tmp_path).name == "step-00000002"  # sizes alone cannot see it
+    assert checkpoint.latest(tmp_path, verify=True).name == "step-00000001"
+
+
+# -- 4. errors put the root cause and the file in their first line ----------------------------
+
+
+def _first_line(fn) -> str:
+    with pytest.raises(pt.ConfigError) as error:
+        fn()
+    line = str(error.value).splitlines()[0]
+    assert "site-packages" not in line and "Traceback" not in line
+    return line
+
+
+def test_read_failures_name_the_file_and_the_cause_first(tmp_path):
+    path, model = tmp_path / "c", torch.nn.Linear(64, 64)
+    checkpoint.save(path, model)
+    shard = path / "__0_0.distcp"
+    whole = shard.read_bytes()
+    shard.unlink()
+    assert "__0_0.distcp is missing" in _first_line(lambda: checkpoint.load(path, model))
+    shard.write_bytes(whole[:200])
+    assert "__0_0.distcp is truncated (200 of" in _first_line(lambda: checkpoint.load(path, model))
+    marker = json.loads((path / "paratrain.json").read_text())
+    del marker["files"]  # as a checkpoint saved before checksums: DCP itself meets the short file
+    (path / "paratrain.json").write_text(json.dumps(marker))
+    line = _first_line(lambda: checkpoint.load(path, model))
+    assert "cannot be read: __0_0.distcp is truncated or corrupt" in line and "(rank 0)" in line
+
+
+class _FullDisk:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _disk_full_on_rank_1(topo, path):
+    session = _session(topo)
+    if topo.rank == 1:
+        real = FileSystem.create_stream
+
+        @contextlib.contextmanager
+        def full(self, file, mode):
+            with real(self, file, mode) as stream:
+                yield _FullDisk(stream) if "w" in mode else stream
+
+        FileSystem.create_stream = full
+    try:
+        session.save(path)
+    except pt.CheckpointError as e:
+        return str(e).splitlines()[0]
+
+
+def test_a_full_disk_on_one_rank_is_named_on_every_rank(tmp_path):
+    for line in run_on_ranks(_disk_full_on_rank_1, 2, str(tmp_path / "c")):
+        assert line.startswith(f"saving {tmp_path / 'c'} failed: no space left on device (ENOSPC) "
+                               "writing __1_0.distcp (rank 1)")
