@@ -9,8 +9,9 @@
 - The newest checkpoint is the one written last: `paratrain.json` records a sequence per root,
   which orders `latest`, `resume` and `prune` (checkpoint_files.py, [Note: the marker]).
 - Every file's sha256 is recorded at save and checked at load: a damaged checkpoint is a
-  DamagedCheckpoint naming the file.
-- A root of `step-*` checkpoints is pruned to the newest K (checkpoint_root.py).
+  DamagedCheckpoint naming the file, and `resume` falls back past it to the previous one.
+- A root of `step-*` checkpoints is pruned to the newest K and resumed from with a fallback past
+  damaged ones (checkpoint_root.py).
 - Loading never unpickles arbitrary objects: our own state is JSON in a uint8 tensor, and DCP's
   metadata file is read with an unpickler that admits only DCP's metadata classes.
 - Paths must be on a file system every node sees (as DCP's FileSystemWriter requires).
@@ -34,12 +35,12 @@ from torch import nn
 from paratrain.checkpoint_files import (ADVICE, MARKER, CheckpointWarning, DamagedCheckpoint, NamedFS, agree,
                                         all_gather, describe_failure, digest, file_problem, next_sequence,
                                         os_cause, rank, read_marker, world, write_marker)
-from paratrain.checkpoint_root import latest, prune
+from paratrain.checkpoint_root import latest, prune, resume
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.state_layout import state_entries
 
-__all__ = ["save", "load", "latest", "prune", "verify", "export_safetensors", "rng_state", "set_rng_state",
-           "DamagedCheckpoint", "CheckpointWarning"]
+__all__ = ["save", "load", "resume", "latest", "prune", "verify", "export_safetensors", "rng_state",
+           "set_rng_state", "DamagedCheckpoint", "CheckpointWarning"]
 
 FORMAT = 1
 

@@ -362,12 +362,11 @@ class Session:
         checkpoint.prune(root, keep)
         return path
 
-    def resume(self, root: str | os.PathLike) -> bool:
-        """Load the newest complete checkpoint under `root`, if there is one; say whether."""
-        path = checkpoint.latest(root) if Path(root).is_dir() else None
-        if path is not None:
-            self.load(path)
-        return path is not None
+    def resume(self, root: str | os.PathLike, *, required: bool = False) -> bool:
+        """Load the newest intact checkpoint under `root` (or `root` itself, when it is one); a
+        damaged one is skipped with a warning. Say whether one was loaded; `required=True` makes
+        finding none a ConfigError that says where it looked."""
+        return checkpoint.resume(root, self.load, required=required) is not None
 
     def export(self, path: str | os.PathLike) -> Path | None:
         """The whole model as one `.safetensors` file for inference (gathered from every rank,

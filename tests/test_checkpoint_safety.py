@@ -1,14 +1,17 @@
 """Checkpoints that a restart or a cluster can break (issue 16): the newest is the one written
-last, damage is detected, and errors name the cause and the file."""
+last, damage is detected and skipped, errors name the cause and the file, and resume says when
+it finds nothing."""
 
 import contextlib
 import errno
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.utils.data import DataLoader, TensorDataset
@@ -45,6 +48,10 @@ def _steps_in(root):
     return sorted(p.name for p in Path(root).glob("step-*"))
 
 
+def _warned(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, checkpoint.CheckpointWarning)]
+
+
 # -- 1. the newest checkpoint is the one written last ------------------------------------------
 
 
@@ -67,6 +74,38 @@ def test_after_accumulate_changes_resume_and_prune_follow_the_order_of_writing(t
         assert left == ["step-00000005", "step-00000006", "step-00000007"]  # the stale step-8 pruned
         assert newest == "step-00000007"
         assert replaced == 12  # step-6 now holds the second run's state
+
+
+# -- 2. a damaged newest checkpoint does not block restarts ------------------------------------
+
+
+def _fall_back(topo, root):
+    session = _session(topo)
+    _train(session, 2, root)
+    at_two = {k: v.clone() for k, v in session.full_state_dict().items()}
+    _train(session, 3, root)
+    if topo.rank == 0:  # the files sort as .metadata, __0_0, __1_0: rank 1 is the one checking __0_0
+        shard = Path(root) / "step-00000003" / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:100])
+    dist.barrier()
+    fresh = _session(topo)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = fresh.resume(root)
+    return resumed, fresh.micro_step, _warned(caught), at_two, fresh.full_state_dict(), checkpoint.latest(root).name
+
+
+def test_resume_falls_back_past_a_damaged_newest_checkpoint_on_every_rank(tmp_path):
+    ranks = run_on_ranks(_fall_back, 2, str(tmp_path))
+    for rank, (resumed, micro, warned, at_two, state, newest) in enumerate(ranks):
+        assert resumed and micro == 2
+        assert_same_params(state, at_two, atol=0)
+        assert newest == "step-00000002"  # latest() skips it too
+        if rank == 0:
+            assert len(warned) == 1 and "step-00000003" in warned[0]
+            assert "__0_0.distcp is truncated (100 of" in warned[0]
+        else:
+            assert warned == []  # one warning, from rank 0
 
 
 # -- 3. flipped bits are detected -------------------------------------------------------------
@@ -151,3 +190,29 @@ def test_a_full_disk_on_one_rank_is_named_on_every_rank(tmp_path):
     for line in run_on_ranks(_disk_full_on_rank_1, 2, str(tmp_path / "c")):
         assert line.startswith(f"saving {tmp_path / 'c'} failed: no space left on device (ENOSPC) "
                                "writing __1_0.distcp (rank 1)")
+
+
+# -- 6. resume says when it finds nothing, and takes a checkpoint directory --------------------
+
+
+def _resume_paths(topo, root):
+    _train(_session(topo), 2, root)
+    with pytest.raises(pt.ConfigError) as typo:
+        _session(topo).resume(root + "-typo", required=True)
+    silent = _session(topo).resume(root + "-typo")
+    direct = _session(topo)
+    loaded = direct.resume(os.path.join(root, "step-00000001"), required=True)
+    other = Path(root + "-other")
+    _session(topo).save(other / "best")
+    with pytest.raises(pt.ConfigError) as elsewhere:
+        _session(topo).resume(other, required=True)
+    return str(typo.value), silent, (loaded, direct.micro_step), str(elsewhere.value)
+
+
+def test_resume_required_says_where_it_looked_and_a_checkpoint_directory_loads_itself(tmp_path):
+    root = str(tmp_path / "ckpt")
+    typo, silent, direct, elsewhere = run_on_ranks(_resume_paths, 1, root)[0]
+    assert f"found no checkpoint: {root}-typo does not exist" in typo
+    assert silent is False
+    assert direct == (True, 1)  # step-1 itself, not the newest under it
+    assert "holds no complete checkpoint" in elsewhere and "best/ is a checkpoint not named step-*" in elsewhere
