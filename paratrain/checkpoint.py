@@ -11,7 +11,7 @@
 - Every file's sha256 is recorded at save and checked at load: a damaged checkpoint is a
   DamagedCheckpoint naming the file, and `resume` falls back past it to the previous one.
 - A root of `step-*` checkpoints is pruned to the newest K and resumed from with a fallback past
-  damaged ones (checkpoint_root.py).
+  damaged ones (checkpoint_root.py), and locked for one writing job (checkpoint_lock.py).
 - Loading never unpickles arbitrary objects: our own state is JSON in a uint8 tensor, and DCP's
   metadata file is read with an unpickler that admits only DCP's metadata classes.
 - Paths must be on a file system every node sees (as DCP's FileSystemWriter requires).
@@ -35,12 +35,13 @@ from torch import nn
 from paratrain.checkpoint_files import (ADVICE, MARKER, CheckpointWarning, DamagedCheckpoint, NamedFS, agree,
                                         all_gather, describe_failure, digest, file_problem, next_sequence,
                                         os_cause, rank, read_marker, world, write_marker)
+from paratrain.checkpoint_lock import check_not_locked, lock_root, unlock_roots
 from paratrain.checkpoint_root import latest, prune, resume
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.state_layout import state_entries
 
-__all__ = ["save", "load", "resume", "latest", "prune", "verify", "export_safetensors", "rng_state",
-           "set_rng_state", "DamagedCheckpoint", "CheckpointWarning"]
+__all__ = ["save", "load", "resume", "latest", "prune", "verify", "lock_root", "unlock_roots",
+           "export_safetensors", "rng_state", "set_rng_state", "DamagedCheckpoint", "CheckpointWarning"]
 
 FORMAT = 1
 
@@ -69,8 +70,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
 
 def _prepare(partial: Path) -> None:
-    """Rank 0, before a save: clear what a crashed save left."""
+    """Rank 0, before a save: clear what a crashed save left, and respect another job's lock."""
     shutil.rmtree(partial, ignore_errors=True)
+    check_not_locked(partial.parent)
 
 
 def _hash_written(path: Path, partial: Path, names: set[str]) -> dict[str, dict]:

@@ -357,7 +357,9 @@ class Session:
         restore_session(self, checkpoint.load(path, self._require_model(), self.optimizer), path)
 
     def checkpoint(self, root: str | os.PathLike, keep: int = 3) -> Path:
-        """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there."""
+        """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there (in
+        the order they were written). The first call locks `root` for this job until close()."""
+        checkpoint.lock_root(root, owner=self)
         path = self.save(Path(root) / f"step-{self.micro_step // self.accumulate:08d}")
         checkpoint.prune(root, keep)
         return path
@@ -376,9 +378,10 @@ class Session:
     # -- end ---------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the metrics files and tear down the process group."""
+        """Close the metrics files, release the checkpoint root's lock, tear down the process group."""
         if self.metrics is not None:
             self.metrics.close()
+        checkpoint.unlock_roots(owner=self)
         destroy()
 
     def __enter__(self) -> "Session":

@@ -168,6 +168,7 @@ def _checkpoints(topo, root):
     for _ in range(4):
         _train(session, 1)
         paths.append(session.checkpoint(root, keep=2).name)
+    session.close()  # releases the root's lock
     return paths, sorted(p.name for p in checkpoint.Path(root).iterdir())
 
 

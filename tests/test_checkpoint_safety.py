@@ -1,11 +1,15 @@
-"""Checkpoints that a restart or a cluster can break (issue 16): the newest is the one written
-last, damage is detected and skipped, errors name the cause and the file, and resume says when
-it finds nothing."""
+"""Checkpoints that a restart or a cluster can break (issue 16, points 1-6): the newest is the one
+written last, damage is detected and skipped, errors name the cause and the file, one job writes a
+root, and resume says when it finds nothing."""
 
 import contextlib
 import errno
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -18,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
 from paratrain import checkpoint
-from paratrain.testing import assert_same_params, run_on_ranks
+from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
 from models import make_batches, make_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -190,6 +194,65 @@ def test_a_full_disk_on_one_rank_is_named_on_every_rank(tmp_path):
     for line in run_on_ranks(_disk_full_on_rank_1, 2, str(tmp_path / "c")):
         assert line.startswith(f"saving {tmp_path / 'c'} failed: no space left on device (ENOSPC) "
                                "writing __1_0.distcp (rank 1)")
+
+
+# -- 5. one writing job per root ----------------------------------------------------------------
+
+
+def _checkpoint_once(topo, root):
+    session = _session(topo)
+    _train(session, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session.checkpoint(root)
+    lock = Path(root) / "paratrain.lock"
+    holder = json.loads(lock.read_text()) if topo.rank == 0 else None  # before rank 0 closes
+    session.close()
+    return _warned(caught), holder, lock.exists()
+
+
+def test_a_second_job_writing_a_locked_root_is_refused(tmp_path):
+    first_job = object()
+    checkpoint.lock_root(tmp_path, owner=first_job)  # this process is the first job, alive
+    try:
+        with pytest.raises(RankFailure, match=f"being written by another job: pid {os.getpid()} on"):
+            run_on_ranks(_checkpoint_once, 2, str(tmp_path))
+        assert _steps_in(tmp_path) == []
+    finally:
+        checkpoint.unlock_roots(owner=first_job)
+    assert not (tmp_path / "paratrain.lock").exists()
+
+
+def _write_lock(root: Path, **fields) -> Path:
+    record = {"host": socket.gethostname(), "pid": 1, "job": "4242", "attempt": "0/0",
+              "started": "2026-11-20T10:00:00", "command": "train.py", **fields}
+    (root / "paratrain.lock").write_text(json.dumps(record))
+    return root / "paratrain.lock"
+
+
+def test_the_lock_of_a_dead_job_is_taken_over_with_a_warning_and_released_at_close(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    _write_lock(tmp_path, pid=int(dead.stdout))
+    (warned, holder, still_there), _ = run_on_ranks(_checkpoint_once, 2, str(tmp_path))
+    assert len(warned) == 1 and f"job 4242, pid {int(dead.stdout)}" in warned[0]
+    assert "is no longer running" in warned[0]
+    assert holder["pid"] != int(dead.stdout) and not still_there
+    assert _steps_in(tmp_path) == ["step-00000001"]
+
+
+def test_a_lock_from_another_host_is_stale_only_once_its_heartbeat_stops(tmp_path):
+    lock, owner = _write_lock(tmp_path, host="node-17"), object()
+    with pytest.raises(pt.ConfigError, match="being written by another job: job 4242, pid 1 on node-17"):
+        checkpoint.lock_root(tmp_path, owner=owner)
+    with pytest.raises(pt.ConfigError, match="being written by another job"):  # a plain save too
+        checkpoint.save(tmp_path / "step-00000001", torch.nn.Linear(2, 2))
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    with pytest.warns(checkpoint.CheckpointWarning, match="its heartbeat is 3600 s old"):
+        checkpoint.lock_root(tmp_path, owner=owner)
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    checkpoint.unlock_roots(owner=owner)
+    assert not lock.exists()
 
 
 # -- 6. resume says when it finds nothing, and takes a checkpoint directory --------------------
