@@ -148,7 +148,7 @@ def export_safetensors(path: str | os.PathLike, state: dict[str, torch.Tensor]) 
     except ImportError:
         raise ConfigError("exporting needs the safetensors package: pip install safetensors "
                           "(or paratrain[export])") from None
-    if not rank() == 0:
+    if rank() != 0:
         return None
     path = Path(path)
     partial = path.with_name(path.name + ".partial")

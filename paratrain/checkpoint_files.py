@@ -35,6 +35,10 @@ from paratrain.errors import CheckpointError, ConfigError, ParatrainError
 
 MARKER = "paratrain.json"  # written last: a directory without it is not a checkpoint
 _CHUNK = 8 << 20  # bytes per read when hashing: large reads keep sha256 near memory speed
+# What a file's own state causes, read or written; anything else (a planner's assertion) is not its fault.
+# RuntimeError: torch.load of a damaged zip record ("PytorchStreamReader failed reading zip archive").
+_READ_ERRORS = (OSError, EOFError, pickle.UnpicklingError, RuntimeError)
+_WRITE_ERRORS = (OSError,)
 _ERRNO_WORDS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                 errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
                 errno.EIO: "input/output error", errno.ENOENT: "no such file or directory"}
@@ -164,7 +168,7 @@ class NamedFS(FileSystem):
                 yield stream
         except (ParatrainError, FileError):
             raise
-        except Exception as e:  # DCP would report only the bare EOFError / OSError, with no file
+        except (_WRITE_ERRORS if writing else _READ_ERRORS) as e:  # DCP would report the bare error only
             raise FileError(f"{os_cause(e)} writing {name}" if writing else f"{name} {_read_cause(e)}") from e
         if writing:
             self.written.add(name)
