@@ -4,8 +4,14 @@
   loads under another world size and another strategy (DDP at 4 → ZeRO-3 at 2 → one process).
 - A save writes into `<path>.partial`, and only when every rank has finished does rank 0 write
   `paratrain.json` and rename the directory to `<path>`: a crash mid-save leaves `<path>.partial`
-  (ignored, removed by the next save) and every earlier checkpoint untouched.
-- `save(..., keep=K)` into a root directory keeps the newest K `step-*` checkpoints.
+  (ignored, removed by the next save) and every earlier checkpoint untouched. A save to the name of
+  an existing checkpoint replaces it.
+- The newest checkpoint is the one written last: `paratrain.json` records a sequence per root,
+  which orders `latest`, `resume` and `prune` (checkpoint_files.py, [Note: the marker]).
+- Every file's sha256 is recorded at save and checked at load: a damaged checkpoint is a
+  DamagedCheckpoint naming the file, and `resume` falls back past it to the previous one.
+- A root of `step-*` checkpoints is pruned to the newest K and resumed from with a fallback past
+  damaged ones (checkpoint_root.py), and locked for one writing job (checkpoint_lock.py).
 - Loading never unpickles arbitrary objects: our own state is JSON in a uint8 tensor, and DCP's
   metadata file is read with an unpickler that admits only DCP's metadata classes.
 - Paths must be on a file system every node sees (as DCP's FileSystemWriter requires).
@@ -18,19 +24,26 @@ import os
 import pickle
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from paratrain.checkpoint_files import (ADVICE, MARKER, CheckpointWarning, DamagedCheckpoint, NamedFS, agree,
+                                        all_gather, describe_failure, digest, file_problem, next_sequence,
+                                        os_cause, rank, read_marker, world, write_marker)
+from paratrain.checkpoint_lock import check_not_locked, lock_root, unlock_roots
+from paratrain.checkpoint_root import latest, prune, resume
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.state_layout import state_entries
 
+__all__ = ["save", "load", "resume", "latest", "prune", "verify", "lock_root", "unlock_roots",
+           "export_safetensors", "rng_state", "set_rng_state", "DamagedCheckpoint", "CheckpointWarning"]
+
 FORMAT = 1
-MARKER = "paratrain.json"  # written last: a directory without it is not a checkpoint
 
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -39,29 +52,59 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     tensors to `path` atomically. A collective: every rank calls it."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    if _is_main():
-        shutil.rmtree(partial, ignore_errors=True)  # a save that crashed earlier
-    _barrier()
+    agree(lambda: _prepare(partial))
     entries, shapes = state_entries(model, optimizer)
-    meta = {"format": FORMAT, "world_size": _world(), "shapes": {n: list(s) for n, s in shapes.items()},
+    meta = {"format": FORMAT, "world_size": world(), "shapes": {n: list(s) for n, s in shapes.items()},
             "param_groups": _hyperparameters(optimizer), "state": state or {}}
     entries["meta/json"] = _json_tensor(meta)
-    entries.update({f"rng/{_rank()}/{k}": v for k, v in (rng or {}).items()})
+    entries.update({f"rng/{rank()}/{k}": v for k, v in (rng or {}).items()})
+    writer = _Writer(partial)
     try:
-        dcp.save(entries, storage_writer=dcp.FileSystemWriter(partial))
+        dcp.save(entries, storage_writer=writer)
     except dcp.CheckpointException as e:  # a BaseException: turn it into an ordinary error
-        raise CheckpointError(f"saving {path} failed ({str(e)[:500]}); it was left as {partial.name}, "
-                              "and every checkpoint saved before is intact") from e
-    if _is_main():
-        (partial / MARKER).write_text(json.dumps({k: v for k, v in meta.items() if k != "shapes"}, indent=1))
-        _replace(partial, path)
-    _barrier()
+        raise CheckpointError(f"saving {path} failed: {describe_failure(e)}; it was left as "
+                              f"{partial.name}, and every checkpoint saved before is intact") from e
+    files = _hash_written(path, partial, writer.fs.written)
+    agree(lambda: _commit(path, partial, meta, files))
     return path
+
+
+def _prepare(partial: Path) -> None:
+    """Rank 0, before a save: clear what a crashed save left, and respect another job's lock."""
+    shutil.rmtree(partial, ignore_errors=True)
+    check_not_locked(partial.parent)
+
+
+def _hash_written(path: Path, partial: Path, names: set[str]) -> dict[str, dict]:
+    """Every rank's digests of the files it wrote, on every rank (see [Note: the marker])."""
+    try:
+        mine: tuple[dict, str | None] = ({n: digest(partial / n) for n in sorted(names)}, None)
+    except OSError as e:  # reported by every rank, not left to a rank that raised alone
+        mine = ({}, f"{os_cause(e)} reading back the files rank {rank()} wrote")
+    gathered = all_gather(mine)
+    failed = [error for _, error in gathered if error]
+    if failed:
+        raise CheckpointError(f"saving {path} failed: {failed[0]}; it was left as {partial.name}, "
+                              "and every checkpoint saved before is intact")
+    return {name: d for files, _ in gathered for name, d in files.items()}
+
+
+def _commit(path: Path, partial: Path, meta: dict, files: dict) -> None:
+    """Rank 0, once every rank's files are written and hashed: the marker, then the rename."""
+    marker = {k: v for k, v in meta.items() if k != "shapes"}
+    marker.update(sequence=next_sequence(path.parent), saved_at=time.time(), files=files)
+    try:
+        write_marker(partial, marker)
+        _replace(partial, path)
+    except OSError as e:
+        raise CheckpointError(f"saving {path} failed: {os_cause(e)} writing {MARKER} or renaming "
+                              f"{partial.name}; every checkpoint saved before is intact") from e
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load `path` into `model` and `optimizer` (in place, whatever strategy and world size wrote
-    it). Returns {"state": …, "rng": this rank's rng tensors or {}}. A collective."""
+    it), after checking its files against their checksums. Returns {"state": …, "rng": this rank's
+    rng tensors or {}}. A collective. Raises DamagedCheckpoint when a file is missing or changed."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"there is no checkpoint at {path}: nothing exists there; pass the path save() "
@@ -69,6 +112,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if not (path / MARKER).is_file():
         raise ConfigError(f"{path} is not a complete paratrain checkpoint (no {MARKER}): it may be a "
                           "save that was interrupted; use paratrain.checkpoint.latest(root)")
+    verify(path)
     reader = SafeReader(path)
     metadata = _read(reader.read_metadata, path)
     meta = _read_meta(path, metadata)
@@ -76,11 +120,24 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     entries, shapes = state_entries(model, optimizer, optim_keys)
     _check_same_model(meta, shapes, path)
     rng = {k.split("/", 2)[2]: torch.empty(metadata.state_dict_metadata[k].size, dtype=torch.uint8)
-           for k in metadata.state_dict_metadata if k.startswith(f"rng/{_rank()}/")}
-    entries.update({f"rng/{_rank()}/{k}": v for k, v in rng.items()})
+           for k in metadata.state_dict_metadata if k.startswith(f"rng/{rank()}/")}
+    entries.update({f"rng/{rank()}/{k}": v for k, v in rng.items()})
     _read(lambda: dcp.load(entries, storage_reader=reader), path)
     _apply_hyperparameters(optimizer, meta["param_groups"])
-    return {"state": meta["state"], "rng": rng if meta["world_size"] == _world() else {}}
+    return {"state": meta["state"], "rng": rng if meta["world_size"] == world() else {}}
+
+
+def verify(path: str | os.PathLike) -> None:
+    """Check every file of checkpoint `path` against the sizes and sha256 its save recorded, each
+    rank reading a share of the files. A collective: every rank raises the same DamagedCheckpoint."""
+    path = Path(path)
+    files = agree(lambda: read_marker(path)).get("files", {})  # none: saved before checksums
+    names = sorted(files)[rank()::world()]
+    found = all_gather([p for p in (file_problem(path, n, files[n]) for n in names) if p])
+    found = sorted(p for mine in found for p in mine)
+    if found:
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {'; '.join(found[:3])}{more}{ADVICE}")
 
 
 def export_safetensors(path: str | os.PathLike, state: dict[str, torch.Tensor]) -> Path | None:
@@ -91,7 +148,7 @@ def export_safetensors(path: str | os.PathLike, state: dict[str, torch.Tensor]) 
     except ImportError:
         raise ConfigError("exporting needs the safetensors package: pip install safetensors "
                           "(or paratrain[export])") from None
-    if not _is_main():
+    if rank() != 0:
         return None
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
@@ -100,22 +157,21 @@ def export_safetensors(path: str | os.PathLike, state: dict[str, torch.Tensor]) 
     return path
 
 
-def latest(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint `root/step-*`, or None."""
-    done = sorted(p for p in Path(root).glob("step-*") if (p / MARKER).is_file())
-    return done[-1] if done else None
+class _Writer(dcp.FileSystemWriter):
+    """DCP's writer, naming the file in its errors and recording the files this rank wrote."""
 
-
-def prune(root: str | os.PathLike, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints under `root` (rank 0 only)."""
-    if _is_main():
-        done = sorted(p for p in Path(root).glob("step-*") if (p / MARKER).is_file())
-        for old in done[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.fs = NamedFS()
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's reader, but its metadata file is unpickled with an allow-list of DCP's own classes."""
+    """DCP's reader, naming the file in its errors, with its metadata file unpickled with an
+    allow-list of DCP's own classes."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.fs = NamedFS()
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -171,8 +227,8 @@ def _read(fn, path: Path):
     except (ConfigError, UsageError):
         raise
     except (Exception, dcp.CheckpointException) as e:  # a damaged file, seen by DCP or the unpickler
-        raise ConfigError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:300]}); it is "
-                          "damaged or incomplete: load an earlier one (paratrain.checkpoint.latest)") from e
+        cause = describe_failure(e) if isinstance(e, dcp.CheckpointException) else str(e)
+        raise DamagedCheckpoint(f"checkpoint {path} cannot be read: {cause}{ADVICE}") from e
 
 
 def _read_meta(path: Path, metadata) -> dict:
@@ -238,20 +294,3 @@ def _replace(partial: Path, path: Path) -> None:
         os.replace(path, old)
     os.replace(partial, path)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _is_main() -> bool:
-    return _rank() == 0
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

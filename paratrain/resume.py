@@ -70,17 +70,18 @@ class SessionCheckpoints:
         restore_session(self, checkpoint.load(path, self._require_model(), self.optimizer), path)
 
     def checkpoint(self: "Session", root: str | os.PathLike, keep: int = 3) -> Path:
-        """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there."""
+        """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there (in
+        the order they were written). The first call locks `root` for this job until close()."""
+        checkpoint.lock_root(root, owner=self)
         path = self.save(Path(root) / f"step-{self.micro_step // self.accumulate:08d}")
         checkpoint.prune(root, keep)
         return path
 
-    def resume(self: "Session", root: str | os.PathLike) -> bool:
-        """Load the newest complete checkpoint under `root`, if there is one; say whether."""
-        path = checkpoint.latest(root) if Path(root).is_dir() else None
-        if path is not None:
-            self.load(path)
-        return path is not None
+    def resume(self: "Session", root: str | os.PathLike, *, required: bool = False) -> bool:
+        """Load the newest intact checkpoint under `root` (or `root` itself, when it is one); a
+        damaged one is skipped with a warning. Say whether one was loaded; `required=True` makes
+        finding none a ConfigError that says where it looked."""
+        return checkpoint.resume(root, self.load, required=required) is not None
 
     def export(self: "Session", path: str | os.PathLike) -> Path | None:
         """The whole model as one `.safetensors` file for inference (gathered from every rank,

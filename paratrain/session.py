@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
+from paratrain import checkpoint
 from paratrain.accumulation import TokenWeights
 from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.data import shard_loader
@@ -261,7 +262,7 @@ class Session(SessionCheckpoints):
         """`batch` with every tensor moved to this rank's device."""
         return tree_map(lambda t: t.to(self.device, non_blocking=True) if torch.is_tensor(t) else t, batch)
 
-    # -- progress ----------------------------------------------------------------------------------
+    # -- progress, metrics, end ---------------------------------------------------------------------
 
     def progress(self, loader: Iterable, desc: str | None = None) -> Iterator[Any]:
         """Iterate `loader` once, with a progress bar on rank 0 showing the loss and global samples
@@ -280,12 +281,11 @@ class Session(SessionCheckpoints):
         step = self.micro_step // self.accumulate if step is None else step
         return self.metrics.log(step, **metrics)
 
-    # -- end ---------------------------------------------------------------------------------------
-
     def close(self) -> None:
-        """Close the metrics files and tear down the process group."""
+        """Close the metrics files, release the checkpoint root's lock, tear down the process group."""
         if self.metrics is not None:
             self.metrics.close()
+        checkpoint.unlock_roots(owner=self)
         destroy()
 
     def __enter__(self) -> "Session":

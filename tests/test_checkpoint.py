@@ -1,6 +1,7 @@
 """Checkpoints: resharding across world sizes and strategies, exact resume, atomic saves,
 damaged or foreign checkpoints, no unpickling of arbitrary objects."""
 
+import json
 import os
 import pickle
 
@@ -11,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
 from paratrain import checkpoint
+from paratrain.checkpoint_files import digest
 from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
 from models import make_batches, make_model
 from pipeline_models import chain
@@ -166,6 +168,7 @@ def _checkpoints(topo, root):
     for _ in range(4):
         _train(session, 1)
         paths.append(session.checkpoint(root, keep=2).name)
+    session.close()  # releases the root's lock
     return paths, sorted(p.name for p in checkpoint.Path(root).iterdir())
 
 
@@ -236,6 +239,10 @@ class _Evil:
 def test_loading_refuses_to_unpickle_arbitrary_objects(tmp_path):
     run_on_ranks(_save_single, 1, str(tmp_path / "c"))
     (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    # checksums catch damage, not an attacker, who rewrites them too: the allow-list must hold
+    marker = json.loads((tmp_path / "c" / "paratrain.json").read_text())
+    marker["files"][".metadata"] = digest(tmp_path / "c" / ".metadata")
+    (tmp_path / "c" / "paratrain.json").write_text(json.dumps(marker))
     with pytest.raises(RankFailure, match="refusing to load posix.system"):
         run_on_ranks(_load_single, 1, str(tmp_path / "c"))
 

@@ -1,0 +1,258 @@
+"""What makes a checkpoint directory trustworthy: its marker, its place among the saves of its root,
+the checksums of its files, and errors that name the file at fault (issue 16, points 1-4).
+
+[Note: the marker] `paratrain.json` is written by rank 0 last, once every rank's files are on
+disk, and holds besides the session's state:
+
+    sequence   1 + the largest sequence under the root when it was written. The newest checkpoint
+               is the one written last, whatever its name: step numbers start over lower when a
+               run restarts with another `accumulate`, so names cannot order checkpoints.
+    saved_at   wall time of the save (seconds since the epoch), for people and as a tie-break.
+    files      {name: {"bytes": n, "sha256": hex}} for every file DCP wrote, each hashed by the
+               rank that wrote it: its bytes are still in that rank's page cache, and on a shared
+               file system rank 0 may not yet see another node's fresh writes.
+
+A checkpoint written before these fields existed has sequence 0 and no checksums: it sorts below
+every newer one and loads unverified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import math
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from paratrain.errors import CheckpointError, ConfigError, ParatrainError
+
+MARKER = "paratrain.json"  # written last: a directory without it is not a checkpoint
+_CHUNK = 8 << 20  # bytes per read when hashing: large reads keep sha256 near memory speed
+# What a file's own state causes, read or written; anything else (a planner's assertion) is not its fault.
+# RuntimeError: torch.load of a damaged zip record ("PytorchStreamReader failed reading zip archive").
+_READ_ERRORS = (OSError, EOFError, pickle.UnpicklingError, RuntimeError)
+_WRITE_ERRORS = (OSError,)
+_ERRNO_WORDS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                errno.EIO: "input/output error", errno.ENOENT: "no such file or directory"}
+
+
+ADVICE = (". It is damaged or incomplete: load an earlier one (session.resume(root) falls back by "
+          "itself; paratrain.checkpoint.latest(root, verify=True) names it)")
+
+
+class DamagedCheckpoint(ConfigError):
+    """A checkpoint's files are missing, truncated or changed since they were written."""
+
+    @property
+    def reason(self) -> str:
+        """The message without the advice, for a warning that acts on it."""
+        return str(self).removesuffix(ADVICE)
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped, or a stale lock taken over; training goes on."""
+
+
+# -- the marker and the order of saves --------------------------------------------------------
+
+
+def read_marker(path: Path) -> dict:
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: its {MARKER} cannot be read "
+                                f"({type(e).__name__}: {e}){ADVICE}") from None
+    if not isinstance(marker, dict):
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: its {MARKER} holds no JSON object{ADVICE}")
+    return marker
+
+
+def write_marker(path: Path, marker: dict) -> None:
+    with open(path / MARKER, "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())  # the rename that publishes the checkpoint must not outrun its marker
+
+
+def complete(root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints `root/step-*`, oldest first by sequence (see [Note: the marker])."""
+    found = [p for p in Path(root).glob("step-*")
+             if not p.name.endswith((".partial", ".old")) and (p / MARKER).is_file()]
+    return sorted(found, key=_order)
+
+
+def _order(path: Path) -> tuple:
+    try:
+        marker = read_marker(path)
+    except DamagedCheckpoint:  # order unknown: count it as newest, so it is verified, never pruned
+        return (math.inf, 0.0, path.name)
+    return (marker.get("sequence", 0), marker.get("saved_at", 0.0), path.name)
+
+
+def next_sequence(root: Path) -> int:
+    """1 + the largest sequence of a checkpoint under `root`: the order of writing, kept on disk."""
+    return 1 + max((s for s, _, _ in map(_order, complete(root)) if s != math.inf), default=0)
+
+
+# -- checksums ---------------------------------------------------------------------------------
+
+
+def digest(path: Path) -> dict:
+    """{"bytes": size, "sha256": hex} of one file, read in large chunks."""
+    sha, size, buffer = hashlib.sha256(), 0, bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            sha.update(view[:n])
+            size += n
+    return {"bytes": size, "sha256": sha.hexdigest()}
+
+
+def file_problem(ckpt: Path, name: str, recorded: dict, checksum: bool = True) -> str | None:
+    """What is wrong with file `name` of `ckpt` against what the save recorded, or None. Sizes cost
+    a stat; `checksum` reads the whole file."""
+    try:
+        size = (ckpt / name).stat().st_size
+        if size != recorded["bytes"]:
+            return (f"{name} is truncated ({size} of {recorded['bytes']} bytes)" if size < recorded["bytes"]
+                    else f"{name} has {size} bytes where {recorded['bytes']} were written")
+        if checksum and digest(ckpt / name)["sha256"] != recorded["sha256"]:
+            return (f"{name} does not match the sha256 recorded when it was written: its bytes "
+                    "changed on disk or in transfer")
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as e:
+        return f"{name} cannot be read ({os_cause(e)})"
+    return None
+
+
+def problems(ckpt: Path, checksum: bool) -> list[str]:
+    """Everything wrong with `ckpt`'s files, checked by this process alone."""
+    try:
+        files = read_marker(ckpt).get("files", {})
+    except DamagedCheckpoint as e:
+        return [str(e)]
+    found = (file_problem(ckpt, name, files[name], checksum) for name in sorted(files))
+    return [p for p in found if p]
+
+
+# -- errors that name the file -----------------------------------------------------------------
+
+
+class FileError(Exception):
+    """A failure reading or writing one checkpoint file, with the file's name in its first words.
+    Picklable (one message argument): DCP gathers every rank's exception onto every rank."""
+
+
+class NamedFS(FileSystem):
+    """DCP's local file system, which names the file in any error raised while a file is open, and
+    records the files this process wrote (so that it hashes its own, see [Note: the marker])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[str] = set()
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        name, writing = Path(path).name, "w" in mode
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except (ParatrainError, FileError):
+            raise
+        except (_WRITE_ERRORS if writing else _READ_ERRORS) as e:  # DCP would report the bare error only
+            raise FileError(f"{os_cause(e)} writing {name}" if writing else f"{name} {_read_cause(e)}") from e
+        if writing:
+            self.written.add(name)
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)  # DCP writes `.metadata.tmp`, then renames it
+        if Path(path).name in self.written:
+            self.written.discard(Path(path).name)
+            self.written.add(Path(new_path).name)
+
+
+def os_cause(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno in _ERRNO_WORDS:
+        return f"{_ERRNO_WORDS[e.errno]} ({errno.errorcode[e.errno]})"
+    return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _read_cause(e: BaseException) -> str:
+    if isinstance(e, FileNotFoundError):
+        return "is missing"
+    if isinstance(e, OSError):
+        return f"cannot be read ({os_cause(e)})"
+    return f"is truncated or corrupt ({type(e).__name__}{f': {str(e)[:200]}' if str(e) else ''})"
+
+
+def describe_failure(e: BaseException) -> str:
+    """The root cause of a DCP CheckpointException in one line: each distinct per-rank failure with
+    its ranks, instead of DCP's str() of every rank's full traceback."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, (exc, trace) in sorted(getattr(e, "failures", {}).items()):
+        ranks_of.setdefault(_one_failure(exc, trace), []).append(rank)
+    parts = [f"{text} (rank{'s' * (len(r) > 1)} {', '.join(map(str, r))})" for text, r in ranks_of.items()]
+    more = f"; {len(parts) - 2} more kinds of failure" if len(parts) > 2 else ""
+    return "; ".join(parts[:2]) + more if parts else f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _one_failure(exc: BaseException, trace) -> str:
+    if isinstance(exc, (FileError, ParatrainError)):
+        return str(exc)
+    where = f" at {Path(trace[-1].filename).name}:{trace[-1].lineno}" if trace else ""
+    return f"{os_cause(exc)}{where}"
+
+
+# -- decisions every rank shares --------------------------------------------------------------
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def agree(fn: Callable[[], Any]) -> Any:
+    """`fn()` run on rank 0, its result or the exception it raised handed to every rank: a rank
+    that raised alone would leave the others waiting in the next collective until the timeout."""
+    ok, value, original = True, None, None
+    if rank() == 0:
+        try:
+            value = fn()
+        except Exception as e:
+            ok, value, original = False, _sendable(e), e
+    if world() > 1:
+        box = [(ok, value)]
+        dist.broadcast_object_list(box, src=0)
+        ok, value = box[0]
+    if not ok:
+        raise original if original is not None else value
+    return value
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order."""
+    if world() == 1:
+        return [obj]
+    out: list[Any] = [None] * world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _sendable(e: Exception) -> Exception:
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return CheckpointError(f"{type(e).__name__}: {e}")

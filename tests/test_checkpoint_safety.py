@@ -1,0 +1,281 @@
+"""Checkpoints that a restart or a cluster can break (issue 16, points 1-6): the newest is the one
+written last, damage is detected and skipped, errors name the cause and the file, one job writes a
+root, and resume says when it finds nothing."""
+
+import contextlib
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain as pt
+from paratrain import checkpoint
+from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
+from models import make_batches, make_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _session(topo, accumulate=1):
+    session = pt.Session("ddp", topology=topo, progress_bar=False, seed=3, accumulate=accumulate)
+    xs, ys = make_batches(1, 64, seed=7)
+    model = make_model("mlp")
+    session.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                  DataLoader(TensorDataset(xs[0], ys[0]), batch_size=8, shuffle=True))
+    return session
+
+
+def _train(session, until_step, root=None):
+    """Train until `until_step` optimizer steps in all, with `checkpoint(root)` after each."""
+    while session.micro_step // session.accumulate < until_step:
+        for batch in session.progress(session.loader):
+            session.train_step(batch, F.cross_entropy)
+            if root and session.micro_step % session.accumulate == 0:
+                session.checkpoint(root, keep=3)
+            if session.micro_step // session.accumulate >= until_step:
+                break
+
+
+def _steps_in(root):
+    return sorted(p.name for p in Path(root).glob("step-*"))
+
+
+def _warned(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, checkpoint.CheckpointWarning)]
+
+
+# -- 1. the newest checkpoint is the one written last ------------------------------------------
+
+
+def _accumulate_changes(topo, root):
+    _train(_session(topo, accumulate=1), 8, root)  # keeps step-6, 7, 8
+    second = _session(topo, accumulate=2)
+    assert second.resume(root) and second.micro_step == 8  # optimizer step 4 at accumulate=2
+    _train(second, 7, root)  # writes step-5, then step-6 and step-7 over the first run's
+    third = _session(topo, accumulate=2)
+    third.resume(root)
+    replaced = json.loads((Path(root) / "step-00000006" / "paratrain.json").read_text())
+    return (third.micro_step, second.full_state_dict(), third.full_state_dict(), _steps_in(root),
+            checkpoint.latest(root).name, replaced["state"]["micro_step"])
+
+
+def test_after_accumulate_changes_resume_and_prune_follow_the_order_of_writing(tmp_path):
+    for micro, second, third, left, newest, replaced in run_on_ranks(_accumulate_changes, 2, str(tmp_path)):
+        assert micro == 14  # step-7 of the second run, not the stale step-8 of the first
+        assert_same_params(third, second, atol=0)
+        assert left == ["step-00000005", "step-00000006", "step-00000007"]  # the stale step-8 pruned
+        assert newest == "step-00000007"
+        assert replaced == 12  # step-6 now holds the second run's state
+
+
+# -- 2. a damaged newest checkpoint does not block restarts ------------------------------------
+
+
+def _fall_back(topo, root):
+    session = _session(topo)
+    _train(session, 2, root)
+    at_two = {k: v.clone() for k, v in session.full_state_dict().items()}
+    _train(session, 3, root)
+    if topo.rank == 0:  # the files sort as .metadata, __0_0, __1_0: rank 1 is the one checking __0_0
+        shard = Path(root) / "step-00000003" / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:100])
+    dist.barrier()
+    fresh = _session(topo)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = fresh.resume(root)
+    return resumed, fresh.micro_step, _warned(caught), at_two, fresh.full_state_dict(), checkpoint.latest(root).name
+
+
+def test_resume_falls_back_past_a_damaged_newest_checkpoint_on_every_rank(tmp_path):
+    ranks = run_on_ranks(_fall_back, 2, str(tmp_path))
+    for rank, (resumed, micro, warned, at_two, state, newest) in enumerate(ranks):
+        assert resumed and micro == 2
+        assert_same_params(state, at_two, atol=0)
+        assert newest == "step-00000002"  # latest() skips it too
+        if rank == 0:
+            assert len(warned) == 1 and "step-00000003" in warned[0]
+            assert "__0_0.distcp is truncated (100 of" in warned[0]
+        else:
+            assert warned == []  # one warning, from rank 0
+
+
+# -- 3. flipped bits are detected -------------------------------------------------------------
+
+
+def _flip(path: Path, count: int) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bits_in_a_shard_are_detected_at_load(tmp_path):
+    model = torch.nn.Linear(256, 256)
+    checkpoint.save(tmp_path / "step-00000001", model)
+    checkpoint.save(tmp_path / "step-00000002", model)
+    _flip(tmp_path / "step-00000002" / "__0_0.distcp", 400)
+    with pytest.raises(pt.ConfigError, match="__0_0.distcp does not match the sha256"):
+        checkpoint.load(tmp_path / "step-00000002", torch.nn.Linear(256, 256))
+    assert checkpoint.latest(tmp_path).name == "step-00000002"  # sizes alone cannot see it
+    assert checkpoint.latest(tmp_path, verify=True).name == "step-00000001"
+
+
+# -- 4. errors put the root cause and the file in their first line ----------------------------
+
+
+def _first_line(fn) -> str:
+    with pytest.raises(pt.ConfigError) as error:
+        fn()
+    line = str(error.value).splitlines()[0]
+    assert "site-packages" not in line and "Traceback" not in line
+    return line
+
+
+def test_read_failures_name_the_file_and_the_cause_first(tmp_path):
+    path, model = tmp_path / "c", torch.nn.Linear(64, 64)
+    checkpoint.save(path, model)
+    shard = path / "__0_0.distcp"
+    whole = shard.read_bytes()
+    shard.unlink()
+    assert "__0_0.distcp is missing" in _first_line(lambda: checkpoint.load(path, model))
+    shard.write_bytes(whole[:200])
+    assert "__0_0.distcp is truncated (200 of" in _first_line(lambda: checkpoint.load(path, model))
+    marker = json.loads((path / "paratrain.json").read_text())
+    del marker["files"]  # as a checkpoint saved before checksums: DCP itself meets the short file
+    (path / "paratrain.json").write_text(json.dumps(marker))
+    line = _first_line(lambda: checkpoint.load(path, model))
+    assert "cannot be read: __0_0.distcp is truncated or corrupt" in line and "(rank 0)" in line
+
+
+class _FullDisk:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _disk_full_on_rank_1(topo, path):
+    session = _session(topo)
+    if topo.rank == 1:
+        real = FileSystem.create_stream
+
+        @contextlib.contextmanager
+        def full(self, file, mode):
+            with real(self, file, mode) as stream:
+                yield _FullDisk(stream) if "w" in mode else stream
+
+        FileSystem.create_stream = full
+    try:
+        session.save(path)
+    except pt.CheckpointError as e:
+        return str(e).splitlines()[0]
+
+
+def test_a_full_disk_on_one_rank_is_named_on_every_rank(tmp_path):
+    for line in run_on_ranks(_disk_full_on_rank_1, 2, str(tmp_path / "c")):
+        assert line.startswith(f"saving {tmp_path / 'c'} failed: no space left on device (ENOSPC) "
+                               "writing __1_0.distcp (rank 1)")
+
+
+# -- 5. one writing job per root ----------------------------------------------------------------
+
+
+def _checkpoint_once(topo, root):
+    session = _session(topo)
+    _train(session, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session.checkpoint(root)
+    lock = Path(root) / "paratrain.lock"
+    holder = json.loads(lock.read_text()) if topo.rank == 0 else None  # before rank 0 closes
+    session.close()
+    return _warned(caught), holder, lock.exists()
+
+
+def test_a_second_job_writing_a_locked_root_is_refused(tmp_path):
+    first_job = object()
+    checkpoint.lock_root(tmp_path, owner=first_job)  # this process is the first job, alive
+    try:
+        with pytest.raises(RankFailure, match=f"being written by another job: pid {os.getpid()} on"):
+            run_on_ranks(_checkpoint_once, 2, str(tmp_path))
+        assert _steps_in(tmp_path) == []
+    finally:
+        checkpoint.unlock_roots(owner=first_job)
+    assert not (tmp_path / "paratrain.lock").exists()
+
+
+def _write_lock(root: Path, **fields) -> Path:
+    record = {"host": socket.gethostname(), "pid": 1, "job": "4242", "attempt": "0/0",
+              "started": "2026-11-20T10:00:00", "command": "train.py", **fields}
+    (root / "paratrain.lock").write_text(json.dumps(record))
+    return root / "paratrain.lock"
+
+
+def test_the_lock_of_a_dead_job_is_taken_over_with_a_warning_and_released_at_close(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    _write_lock(tmp_path, pid=int(dead.stdout))
+    (warned, holder, still_there), _ = run_on_ranks(_checkpoint_once, 2, str(tmp_path))
+    assert len(warned) == 1 and f"job 4242, pid {int(dead.stdout)}" in warned[0]
+    assert "is no longer running" in warned[0]
+    assert holder["pid"] != int(dead.stdout) and not still_there
+    assert _steps_in(tmp_path) == ["step-00000001"]
+
+
+def test_a_lock_from_another_host_is_stale_only_once_its_heartbeat_stops(tmp_path):
+    lock, owner = _write_lock(tmp_path, host="node-17"), object()
+    with pytest.raises(pt.ConfigError, match="being written by another job: job 4242, pid 1 on node-17"):
+        checkpoint.lock_root(tmp_path, owner=owner)
+    with pytest.raises(pt.ConfigError, match="being written by another job"):  # a plain save too
+        checkpoint.save(tmp_path / "step-00000001", torch.nn.Linear(2, 2))
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    with pytest.warns(checkpoint.CheckpointWarning, match="its heartbeat is 3600 s old"):
+        checkpoint.lock_root(tmp_path, owner=owner)
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    checkpoint.unlock_roots(owner=owner)
+    assert not lock.exists()
+
+
+# -- 6. resume says when it finds nothing, and takes a checkpoint directory --------------------
+
+
+def _resume_paths(topo, root):
+    _train(_session(topo), 2, root)
+    with pytest.raises(pt.ConfigError) as typo:
+        _session(topo).resume(root + "-typo", required=True)
+    silent = _session(topo).resume(root + "-typo")
+    direct = _session(topo)
+    loaded = direct.resume(os.path.join(root, "step-00000001"), required=True)
+    other = Path(root + "-other")
+    _session(topo).save(other / "best")
+    with pytest.raises(pt.ConfigError) as elsewhere:
+        _session(topo).resume(other, required=True)
+    return str(typo.value), silent, (loaded, direct.micro_step), str(elsewhere.value)
+
+
+def test_resume_required_says_where_it_looked_and_a_checkpoint_directory_loads_itself(tmp_path):
+    root = str(tmp_path / "ckpt")
+    typo, silent, direct, elsewhere = run_on_ranks(_resume_paths, 1, root)[0]
+    assert f"found no checkpoint: {root}-typo does not exist" in typo
+    assert silent is False
+    assert direct == (True, 1)  # step-1 itself, not the newest under it
+    assert "holds no complete checkpoint" in elsewhere and "best/ is a checkpoint not named step-*" in elsewhere
