@@ -101,10 +101,12 @@ def _commit(path: Path, partial: Path, meta: dict, files: dict) -> None:
                               f"{partial.name}; every checkpoint saved before is intact") from e
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         hyperparameters: bool = True) -> dict:
     """Load `path` into `model` and `optimizer` (in place, whatever strategy and world size wrote
-    it), after checking its files against their checksums. Returns {"state": …, "rng": this rank's
-    rng tensors or {}}. A collective. Raises DamagedCheckpoint when a file is missing or changed."""
+    it), after checking its files against their checksums; `hyperparameters`: also the optimizer's
+    (learning rates, …). Returns {"state": …, "rng": this rank's rng tensors or {}}. A collective.
+    Raises DamagedCheckpoint when a file is missing or changed."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"there is no checkpoint at {path}: nothing exists there; pass the path save() "
@@ -123,7 +125,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
            for k in metadata.state_dict_metadata if k.startswith(f"rng/{rank()}/")}
     entries.update({f"rng/{rank()}/{k}": v for k, v in rng.items()})
     _read(lambda: dcp.load(entries, storage_reader=reader), path)
-    _apply_hyperparameters(optimizer, meta["param_groups"])
+    if hyperparameters:
+        _apply_hyperparameters(optimizer, meta["param_groups"])
     return {"state": meta["state"], "rng": rng if meta["world_size"] == world() else {}}
 
 

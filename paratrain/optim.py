@@ -4,6 +4,7 @@ by the global norm when each rank holds only part of the gradients."""
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,15 @@ def retire_replaced(given: torch.optim.Optimizer | None, used: torch.optim.Optim
     given.register_step_pre_hook(refuse)
 
 
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(all, trainable) parameters of `model`, tied weights counted once."""
+class Given(NamedTuple):
+    """What the user gave setup(), before any strategy cut, sharded or rebuilt it."""
+
+    parameters: int  # of the whole model, tied weights counted once
+    trainable: int
+    optimizer: str | None  # the optimizer's class, e.g. "torch.optim.adam.Adam"
+
+
+def describe(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Given:
     params = list(model.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}" if optimizer is not None else None
+    return Given(sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad), kind)

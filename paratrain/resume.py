@@ -26,15 +26,17 @@ first micro-batch, exactly as the uninterrupted run did.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from paratrain import checkpoint
+from paratrain import checkpoint, checkpoint_files
 from paratrain.comm import group_device
 from paratrain.data import DistributedSampler, ShardedLoader
 from paratrain.errors import CheckpointError, ConfigError, UsageError
@@ -64,10 +66,25 @@ class SessionCheckpoints:
         state, rng = session_state(self)
         return checkpoint.save(path, self._require_model(), self.optimizer, state=state, rng=rng)
 
-    def load(self: "Session", path: str | os.PathLike) -> None:
+    def load(self: "Session", path: str | os.PathLike, *, weights_only: bool = False,
+             hyperparameters: str = "checkpoint") -> None:
         """Load a checkpoint written by `save` under any strategy and world size; training then
-        continues exactly where it stopped (RNG states too, when the world size is the same)."""
-        restore_session(self, checkpoint.load(path, self._require_model(), self.optimizer), path)
+        continues exactly where it stopped (RNG states too, when the world size is the same).
+
+        weights_only: load the model's parameters and buffers only (fine-tuning from it, or
+            another optimizer): the optimizer, step, data position and RNG stay as they are.
+        hyperparameters: "checkpoint" (the default: learning rates and the like come back as they
+            were saved, so a schedule goes on where it stopped; a value that differs from yours is
+            named in a warning) or "current" (keep this optimizer's own)."""
+        if hyperparameters not in ("checkpoint", "current"):
+            raise ConfigError(f"hyperparameters must be 'checkpoint' or 'current'; got {hyperparameters!r}")
+        optimizer = None if weights_only else self.optimizer
+        if optimizer is not None:
+            check_same_optimizer(self, Path(path), keep_current=hyperparameters == "current")
+        loaded = checkpoint.load(path, self._require_model(), optimizer,
+                                 hyperparameters=hyperparameters == "checkpoint")
+        if not weights_only:
+            restore_session(self, loaded, path)
 
     def checkpoint(self: "Session", root: str | os.PathLike, keep: int = 3) -> Path:
         """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there (in
@@ -77,11 +94,13 @@ class SessionCheckpoints:
         checkpoint.prune(root, keep)
         return path
 
-    def resume(self: "Session", root: str | os.PathLike, *, required: bool = False) -> bool:
+    def resume(self: "Session", root: str | os.PathLike, *, required: bool = False,
+               weights_only: bool = False, hyperparameters: str = "checkpoint") -> bool:
         """Load the newest intact checkpoint under `root` (or `root` itself, when it is one); a
         damaged one is skipped with a warning. Say whether one was loaded; `required=True` makes
-        finding none a ConfigError that says where it looked."""
-        return checkpoint.resume(root, self.load, required=required) is not None
+        finding none a ConfigError that says where it looked. The other arguments are load()'s."""
+        load = functools.partial(self.load, weights_only=weights_only, hyperparameters=hyperparameters)
+        return checkpoint.resume(root, load, required=required) is not None
 
     def export(self: "Session", path: str | os.PathLike) -> Path | None:
         """The whole model as one `.safetensors` file for inference (gathered from every rank,
@@ -122,6 +141,29 @@ def refuse_non_finite(model: ParallelModule, path: Any) -> None:
                               "before are intact, and the newest of them is the newest good state")
 
 
+def check_same_optimizer(session: "Session", path: Path, keep_current: bool) -> None:
+    """Refuse optimizer state of another class (SGD given Adam's exp_avg and eps), and name the
+    hyperparameters the checkpoint's values replace."""
+    marker = checkpoint_files.read_marker(path) if (path / checkpoint_files.MARKER).is_file() else {}
+    saved = marker.get("state", {}).get("optimizer")
+    if saved and session.given.optimizer and saved != session.given.optimizer:
+        raise ConfigError(f"checkpoint {path} holds the state of a {saved}, but this session's optimizer "
+                          f"is a {session.given.optimizer}: its state and settings would load into the "
+                          "wrong optimizer. Build the optimizer the saving run used, or load the model "
+                          "alone: session.load(path, weights_only=True) / session.resume(root, weights_only=True)")
+    changed = sorted({f"{k} {mine[k]!r} → {theirs[k]!r}" for mine, theirs in
+                      zip(session.optimizer.param_groups, marker.get("param_groups", []))
+                      for k in theirs if k in mine and mine[k] != theirs[k] and not _scheduled(k, mine, theirs)})
+    if changed and not keep_current and session.is_main:
+        warnings.warn(f"resuming from {path} replaces this optimizer's {', '.join(changed)} with the "
+                      "checkpoint's; pass hyperparameters='current' to keep yours", stacklevel=4)
+
+
+def _scheduled(key: str, mine: dict, theirs: dict) -> bool:
+    """A learning rate a scheduler moves (both groups record its start): compare the starts."""
+    return key == "lr" and "initial_lr" in mine and "initial_lr" in theirs
+
+
 def note_micro_step(session: "Session", optimizer_step: bool) -> None:
     """A micro-batch's step() finished: the loader counts it as trained (and stepped, at an
     optimizer step), and with accumulate > 1 an optimizer step snapshots the loop's position."""
@@ -146,6 +188,7 @@ def session_state(session: "Session") -> tuple[dict, dict]:
                               "checkpoints store JSON, never pickles: register only objects whose "
                               "state is numbers, strings, lists and dicts") from None
     state = {"epoch": where["epoch"], "micro_step": where["micro_step"], "strategy": session.strategy.name,
+             "optimizer": session.given.optimizer,
              "sampler": where["sampler"], "scaler": session.scaler.state_dict() if session.scaler is not None else None,
              "objects": objects}
     return state, where["rng"]

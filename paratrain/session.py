@@ -31,7 +31,7 @@ from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.data import shard_loader
 from paratrain.errors import ConfigError, UsageError
 from paratrain.metrics import MetricsLogger
-from paratrain.optim import count_parameters, retire_replaced
+from paratrain.optim import Given, describe, retire_replaced
 from paratrain.parallel.base import ParallelModule, Strategy, check_loss, full_state_dict, uncompiled
 from paratrain.precision import GradScaler, autocast_dtype
 from paratrain.progress import progress
@@ -94,7 +94,7 @@ class Session(SessionCheckpoints):
         self.samples_per_second = 0.0  # global throughput of the last progress() loop
         self.registered: dict[str, Any] = {}  # name → object whose state checkpoints carry
         self._in_micro_batch = False  # an accumulation() block was entered, step() not yet called
-        self._parameters = (0, 0)  # (all, trainable) of the model given to setup()
+        self.given = Given(0, 0, None)  # the model and optimizer given to setup(), as given
         self.step_boundary: dict | None = None  # the loop at the last optimizer step (resume.py)
         torch.manual_seed(seed)
 
@@ -119,7 +119,7 @@ class Session(SessionCheckpoints):
         if self.model is not None:
             raise UsageError("setup() was already called on this session: keep using the model, "
                              "optimizer and loader it returned, or make a new Session for another model")
-        self._parameters = count_parameters(model)
+        self.given = describe(model, optimizer)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid)
         retire_replaced(optimizer, self.optimizer, self.strategy.name)
         self.loader = self.shard_loader(loader) if loader is not None else None
@@ -153,7 +153,7 @@ class Session(SessionCheckpoints):
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Parameters of the whole model given to setup() (tied weights once), whatever part of it
         this rank holds: what model-size and MFU arithmetic needs, also under ZeRO-3 and pipelines."""
-        return self._parameters[1 if trainable_only else 0]
+        return self.given.trainable if trainable_only else self.given.parameters
 
     @property
     def rank_seed(self) -> int:

@@ -246,3 +246,40 @@ def test_a_compiled_model_cannot_be_cut_into_pipeline_stages():
     topo = pt.Topology.from_env({}, rank=0, world_size=2)
     with pytest.raises(pt.ConfigError, match="compile the layers in place"):
         pt.Pipeline(stages=2).setup(torch.compile(make_model("mlp").net), None, pt.ProcessGrid(topo))
+
+
+# -- 7: resuming with another optimizer, or another learning rate ------------------------------------
+
+def _train_and_save(path, optimizer_class, lr):
+    with pt.Session("single", progress_bar=False) as session:
+        model = make_model("mlp")
+        model, opt = session.setup(model, optimizer_class(model.parameters(), lr=lr))
+        session.train_step((XS[0], YS[0]), F.cross_entropy)
+        session.save(path)
+        return session.full_state_dict()
+
+
+def test_resuming_into_another_optimizer_class_is_refused_unless_weights_only(tmp_path):
+    saved = _train_and_save(tmp_path / "adam", torch.optim.Adam, 0.01)
+    with pt.Session("single", progress_bar=False) as session:
+        model = make_model("mlp")
+        model, opt = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(pt.ConfigError, match="holds the state of a torch.optim.adam.Adam.*weights_only=True"):
+            session.load(tmp_path / "adam")
+        session.load(tmp_path / "adam", weights_only=True)
+        assert max_param_diff(session.full_state_dict(), saved) == 0
+        assert not opt.state and opt.param_groups[0]["lr"] == 0.1 and session.micro_step == 0
+
+
+def test_a_new_learning_rate_at_resume_is_named_and_can_be_kept(tmp_path):
+    _train_and_save(tmp_path / "sgd", torch.optim.SGD, 0.1)
+    for policy, lr in [("checkpoint", 0.1), ("current", 0.02)]:
+        with pt.Session("single", progress_bar=False) as session:
+            model = make_model("mlp")
+            model, opt = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.02))
+            if policy == "checkpoint":
+                with pytest.warns(UserWarning, match="replaces this optimizer's lr 0.02 → 0.1"):
+                    session.load(tmp_path / "sgd")
+            else:
+                session.load(tmp_path / "sgd", hyperparameters=policy)
+            assert opt.param_groups[0]["lr"] == lr and session.micro_step == 1
