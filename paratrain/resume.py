@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from paratrain import checkpoint, checkpoint_files
 from paratrain.comm import group_device
-from paratrain.data import DistributedSampler, ShardedLoader
+from paratrain.data import DistributedSampler
+from paratrain.loader import ShardedLoader
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.parallel.base import ParallelModule, full_state_dict
 from paratrain.state_layout import layout_of

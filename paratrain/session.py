@@ -22,13 +22,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
 from paratrain import checkpoint
 from paratrain.accumulation import TokenWeights
 from paratrain.contrastive import Gathered, gather_embeddings
-from paratrain.data import shard_loader
+from paratrain.loader import shard_loader, to_device
 from paratrain.errors import ConfigError, UsageError
 from paratrain.metrics import MetricsLogger
 from paratrain.optim import Given, describe, retire_replaced
@@ -177,7 +176,7 @@ class Session(SessionCheckpoints):
                              f"{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. For "
                              "other batches write the step: `with session.accumulation(): loss = ...; "
                              "session.backward(loss)`, then `session.step()`")
-        inputs, targets = self.to_device(batch)
+        inputs, targets = to_device(batch, self.device)
         model = self._require_model()
         def checked(outputs: Any, targets: Any) -> torch.Tensor:  # before backward: a NaN loss stops
             return self._check_finite(check_loss(loss_fn(outputs, targets)))  # its own rank, not a peer
@@ -260,7 +259,7 @@ class Session(SessionCheckpoints):
 
     def to_device(self, batch: Any) -> Any:
         """`batch` with every tensor moved to this rank's device."""
-        return tree_map(lambda t: t.to(self.device, non_blocking=True) if torch.is_tensor(t) else t, batch)
+        return to_device(batch, self.device)
 
     # -- progress, metrics, end ---------------------------------------------------------------------
 

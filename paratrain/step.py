@@ -15,6 +15,7 @@ Per optimizer step, on the gradients `local_grads()` returns (parallel/base.py):
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -61,10 +62,12 @@ def _scale(grads: list[torch.Tensor], factor: float) -> None:
 def _all_finite(grads: list[torch.Tensor], group: Any) -> bool:
     """Whether every gradient on every holder is finite: one fused norm, and one small
     all-reduce when the gradients are split between ranks (group is not None)."""
-    norms = torch._foreach_norm(grads) if grads else [torch.zeros(())]
-    if len({(n.dtype, n.device) for n in norms}) > 1:  # offloaded or mixed-dtype holders
-        norms = [n.float().cpu() for n in norms]
-    bad = (~torch.isfinite(torch.stack(norms).sum())).float()
+    # a sum is the cheapest full read, and NaN and inf survive it (finite values summing past the
+    # float range would be a false alarm, at gradients of 1e38)
+    sums = [g.sum() for g in grads] if len(grads) < 8 else torch._foreach_norm(grads)
+    if len({(n.dtype, n.device) for n in sums}) > 1:  # offloaded or mixed-dtype holders
+        sums = [n.float().cpu() for n in sums]
+    bad = (~torch.isfinite(torch.stack(sums).sum() if sums else torch.zeros(()))).float()
     if group is not None:
         bad = bad.to(group_device(group))
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
@@ -81,8 +84,9 @@ def _non_finite(model: ParallelModule, what: str) -> UsageError:
 
 
 def check_finite_loss(loss: torch.Tensor, where: Callable[[], str]) -> None:
-    """Stop before a NaN or infinite loss reaches the parameters (`where()`: the step and rank)."""
-    if not bool(torch.isfinite(loss.detach()).all()):
+    """Stop before a NaN or infinite loss reaches the parameters (`where()`: the step and rank).
+    The loss is one number (check_loss): reading it is one host sync, as the progress bar's is."""
+    if not math.isfinite(loss.item()):
         raise UsageError(f"the loss is {loss.detach().float().mean().item()} at {where()}; the optimizer "
                          "did not step. Lower the learning rate, clip gradients (Session(max_grad_norm=...)), "
                          "check this batch's inputs and targets, or pass Session(nan_check=False) to go on "

@@ -16,7 +16,7 @@ LAYERS = [
     {"topology"},
     {"grid"},
     {"comm"},
-    {"ring", "optim", "data", "precision", "accumulation", "metrics", "contrastive"},
+    {"ring", "optim", "data", "loader", "precision", "accumulation", "metrics", "contrastive"},
     {"parallel.base"},
     {"parallel.*"},
     {"strategy"},

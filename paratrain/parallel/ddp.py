@@ -81,11 +81,12 @@ class DistributedDataParallel(ParallelModule):
         if not self._params:
             raise ConfigError("the module has no parameter that requires a gradient; "
                               "DistributedDataParallel has nothing to synchronise")
+        self._module_buffers = list(module.buffers())  # as torch's DDP (`modules_buffers`): listed once
         if init_sync:
             self._check_same_model_everywhere()
             broadcast_coalesced(list(module.parameters()), self.process_group)
             if broadcast_buffers is not False:
-                broadcast_coalesced(list(module.buffers()), self.process_group)
+                broadcast_coalesced(self._module_buffers, self.process_group)
         self._grad_sync = GradSync(self._params, {p: n for n, p in module.named_parameters()},
                                    self.process_group, reduction=reduction or AllReduce(self.process_group),
                                    caps=_caps(bucket_cap_mb, bucket_cap_mb_list),
@@ -101,8 +102,8 @@ class DistributedDataParallel(ParallelModule):
             device = torch.device("cuda", self.device_ids[0]) if isinstance(self.device_ids[0], int) \
                 else torch.device(self.device_ids[0])
             inputs, kwargs = tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, (inputs, kwargs))
-        if self.broadcast_buffers and self._require_forward_param_sync:
-            broadcast_coalesced(list(self.module.buffers()), self.process_group)
+        if self.broadcast_buffers and self._require_forward_param_sync and self._module_buffers:
+            broadcast_coalesced(self._module_buffers, self.process_group)
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():  # a no-grad forward (evaluation) builds no backward to plan
             # as torch's DDP (`_post_forward`): the forward after a no_sync() forward skips the
@@ -114,6 +115,12 @@ class DistributedDataParallel(ParallelModule):
                 unused = [p for p in self._params if p not in used]
             self._grad_sync.prepare(sync, unused)
         return output
+
+    def local_grads(self) -> tuple[list[torch.Tensor], Any]:
+        """The buckets: every gradient is a view into one, so scaling or checking a few flat
+        buffers is scaling or checking every gradient, in a few kernels instead of one per
+        parameter. Equal on every rank after backward: nothing to reduce."""
+        return [bucket.buffer for bucket in self._buckets.buckets], None
 
     def _check_same_model_everywhere(self) -> None:
         shapes = [tuple(p.shape) for p in self.module.parameters()]

@@ -1,0 +1,166 @@
+"""Benchmark: what `Session.train_step` costs over the plain loop it replaces, same wrapper.
+
+    python bench/session.py [--rounds 5] [--steps 10] [--batch 128] [--out bench/results/session.json] [--quick]
+
+World 2 on gloo, one thread per rank, ranks started by `paratrain.testing.run_on_ranks`. For
+each model (bench/common.py's MLP of 18.9 M parameters and GPT of 9.7 M, and a tiny MLP
+64 → 128 → 10 at 32 rows per rank) and each case:
+
+    ddp           plain: pt.DistributedDataParallel, loss.backward(), step, zero_grad
+    zero2, zero3  plain: pt.shard(model, optimizer, stage=2|3), the same loop
+    ddp-acc4      plain: 4 micro-batches, no_sync() on the first 3, each loss / 4, then the step
+
+against `Session(strategy, accumulate=…)` with the same model copy and optimizer settings calling
+`session.train_step((x, y), loss_fn)` once per micro-batch, with every check on (nan_check,
+the finite-gradient check, the loss checks). Both sides see the same batches; after `--warmup`
+untimed optimizer steps each, `--rounds` interleaved rounds of `--steps` optimizer steps each
+(bench/common.py `time_interleaved`; a step as long as its slowest rank, medians).
+
+Reported per case: plain and session ms per optimizer step, their ratio, the time the session adds
+per micro-batch (ms), and max_param_diff (both did the same steps from the same start).
+Targets (issue 17): ratio <= 1.02 on the MLP and the GPT, <= 0.1 ms added per micro-batch on the
+tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
+import paratrain as pt  # noqa: E402
+from common import (MODELS, SEQ, bench_parser, loss_of, make_batches, parse_bench_args, print_table,  # noqa: E402
+                    summarize_times, time_interleaved, write_results)
+from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
+
+WORLD, THREADS, LR, DATA_BATCHES = 2, 1, 1e-3, 4
+CASES = {"ddp": ("ddp", 1), "zero2": ("zero2", 1), "zero3": ("zero3", 1), "ddp-acc4": ("ddp", 4)}
+TINY_BATCH = 32
+
+
+def tiny() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return tiny() if name == "tiny" else MODELS[name]()
+
+
+def _batches(name: str, batch: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if name != "tiny":
+        return make_batches(name, batch, DATA_BATCHES, seed)
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(TINY_BATCH, 64, generator=g), torch.randint(0, 10, (TINY_BATCH,), generator=g))
+            for _ in range(DATA_BATCHES)]
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, -2), y.flatten())
+
+
+def _plain(model: nn.Module, strategy: str, accumulate: int):
+    """The loop a user writes with the wrapper `strategy` uses; returns (step(x, y), module)."""
+    if strategy == "ddp":
+        wrapped = pt.DistributedDataParallel(model)
+        opt = _optimizer(wrapped)
+    else:
+        wrapped, opt = pt.shard(model, _optimizer(model), stage=int(strategy[-1]))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for micro, (xm, ym) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+            if micro < accumulate - 1:
+                with wrapped.no_sync():
+                    (loss_of(wrapped, xm, ym) / accumulate).backward()
+            else:
+                loss = loss_of(wrapped, xm, ym) / accumulate
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step, wrapped
+
+
+def _session(topo, model: nn.Module, strategy: str, accumulate: int):
+    session = pt.Session(strategy, accumulate=accumulate, topology=topo, progress_bar=False)
+    wrapped, _ = session.setup(model, _optimizer(model))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for xm, ym in zip(x.chunk(accumulate), y.chunk(accumulate)):
+            loss = session.train_step((xm, ym), _loss)
+        return loss
+
+    return step, session
+
+
+def speed(topo, name: str, case: str, batch: int, warmup: int, rounds: int, steps: int) -> dict:
+    """Both loops on deep copies of one model, interleaved; the parameters compared after."""
+    strategy, accumulate = CASES[case]
+    model = _model(name)
+    plain, wrapped = _plain(copy.deepcopy(model), strategy, accumulate)
+    ours, session = _session(topo, copy.deepcopy(model), strategy, accumulate)
+    # one optimizer step takes `accumulate` micro-batches of the per-rank batch
+    data = [(torch.cat([x] * accumulate), torch.cat([y] * accumulate))
+            for x, y in _batches(name, batch, seed=100 + topo.rank)]
+    timed = time_interleaved({"plain": plain, "session": ours}, data, warmup=warmup, rounds=rounds, steps=steps)
+    return dict(**timed, diff=max_param_diff(pt.full_state_dict(wrapped), session.full_state_dict()))
+
+
+def bench_case(name: str, case: str, args) -> dict:
+    results = run_on_ranks(speed, WORLD, name, case, args.batch, args.warmup, args.rounds, args.steps,
+                           threads=THREADS, timeout=1200, collective_timeout=300)
+    times = summarize_times(results, ["plain", "session"], args.steps)
+    accumulate = CASES[case][1]
+    return dict(model=name, case=case, accumulate=accumulate, ratio=times["session_ms"] / times["plain_ms"],
+                added_ms_per_microbatch=(times["session_ms"] - times["plain_ms"]) / accumulate,
+                max_param_diff=max(r["diff"] for r in results), **times)
+
+
+def _parse_args(argv) -> argparse.Namespace:
+    parser = bench_parser(__doc__, out_name="session.json", rounds=5, steps=10, warmup=3, batch=128)
+    parser.add_argument("--models", nargs="+", default=["tiny", *MODELS], help="models to run")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), help="cases to run")
+    return parse_bench_args(parser, argv, quick=dict(rounds=2, steps=2, warmup=1, batch=SEQ))
+
+
+def _report(rows: list[dict]) -> None:
+    print_table(rows, [("model", "model", ""), ("case", "case", ""), ("plain_ms", "plain ms", ".2f"),
+                       ("session_ms", "session ms", ".2f"), ("ratio", "ratio", ".3f"),
+                       ("added_ms_per_microbatch", "added ms/mb", ".3f"),
+                       ("plain_cpu_ms", "plain cpu", ".2f"), ("session_cpu_ms", "session cpu", ".2f"),
+                       ("max_param_diff", "max diff", ".1e")])
+    missed = [f"{r['model']} {r['case']}: ratio {r['ratio']:.3f} > 1.02" for r in rows
+              if r["model"] != "tiny" and r["ratio"] > 1.02]
+    missed += [f"tiny {r['case']}: {r['added_ms_per_microbatch']:.3f} ms added per micro-batch > 0.1"
+               for r in rows if r["model"] == "tiny" and r["added_ms_per_microbatch"] > 0.1]
+    print("targets missed: " + "; ".join(missed) if missed else "all targets met")
+
+
+def main(argv=None) -> None:
+    args = _parse_args(argv)
+    load_before = os.getloadavg()
+    rows = []
+    for name in args.models:
+        for case in args.cases:
+            print(f"benchmarking {name} {case} ...", flush=True)
+            rows.append(bench_case(name, case, args))
+    settings = dict(world=WORLD, backend="gloo", rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+                    batch_per_rank=args.batch, tiny_batch_per_rank=TINY_BATCH, threads_per_rank=THREADS,
+                    optimizer=f"SGD(lr={LR}, momentum=0.9)")
+    _report(rows)
+    write_results(args, settings, load_before, results=rows)
+
+
+if __name__ == "__main__":
+    main()
