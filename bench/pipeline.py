@@ -1,6 +1,6 @@
 """Benchmark: our GPipe and 1F1B against torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B.
 
-    python bench/pipeline.py [--rounds 10] [--steps 6] [--batch 1024] [--microbatches 4 8] [--quick]
+    python bench/pipeline.py [--rounds 10] [--steps 6] [--batch 1024] [--microbatches 4 8] [--gpt-batch 32] [--quick]
 
 World 2 on gloo, 2 stages, one thread per rank (2 ranks on 2 cores), ranks started by
 `paratrain.testing.run_on_ranks`. The model: 8 × (Linear 512→512, ReLU) and Linear 512→10, an
@@ -26,6 +26,19 @@ show the noise) and, as *_cpu_ms, the median CPU time of the training thread per
 rank), which leaves out waiting (for the peer stage, and for other processes on a busy machine).
 Both implementations of a schedule then took the same steps from the same start: max_param_diff
 is the largest |ours - torch| over the stage's parameters.
+
+Phase 4, a GPT cut at named blocks: bench/common.py's TinyGPT (9.7 M parameters, 7 encoder
+blocks, untied head) on 2 stages, ours as `Pipeline(stages=2, cut=...)` at `blocks.layers.4`,
+torch's `Schedule1F1B` over stages built from the same cut parts (cut.py's `prune`, wrapped in a
+module that runs the stage), 1F1B at m=4 on `--gpt-batch` sequences of 64 tokens. Timed as phase 2;
+reported in `gpt`.
+
+Phase 3, stages × replicas: world 4 = 2 stages × 2 replicas (4 ranks on 2 cores: both libraries
+share the oversubscription), 1F1B at the largest `--microbatches`, each replica reading its half
+of `--batch`. Ours: `Pipeline(stages=2)`, whose replicas average gradients through DDP's bucketed
+path during the last micro-batch's backward. Torch: its `PipelineStage` over a torch
+`DistributedDataParallel` of the same half (torch's schedule runs `no_sync()` on every backward
+but the last), groups sliced the same way. Timed as phase 2; reported in `replicas`.
 """
 
 from __future__ import annotations
@@ -43,12 +56,14 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
-from common import (interleave, peak_rss_mb, print_table, reset_peak_rss, return_freed_memory_to_os,  # noqa: E402
-                    rss_mb, slowest_rank, write_results)
-from paratrain.parallel.pipeline import Pipeline, split_model  # noqa: E402
+from common import (SEQ, interleave, make_batches, make_model, peak_rss_mb, print_table,  # noqa: E402
+                    reset_peak_rss, return_freed_memory_to_os, rss_mb, slowest_rank, write_results)
+from paratrain.parallel.pipeline import Cut, Pipeline, split_model  # noqa: E402
+from paratrain.parallel.pipeline.cut import prune  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, STAGES, THREADS, LR, WIDTH, DEPTH = 2, 2, 1, 1e-3, 512, 8
+GPT_MICROBATCHES = 4
 IMPLS = ["ours-gpipe", "torch-gpipe", "ours-1f1b", "torch-1f1b"]
 
 
@@ -64,13 +79,13 @@ class Ours:
     """paratrain's Pipeline strategy on this rank's half."""
 
     def __init__(self, topo, schedule: str, m: int):
-        self.strategy = Pipeline(stages=STAGES, schedule=schedule, microbatches=m)
-        self.stage = self.strategy.wrap(model(), topo)
+        strategy = Pipeline(stages=STAGES, schedule=schedule, microbatches=m)
+        self.stage, _ = strategy.setup(model(), None, strategy.grid(topo))
         self.module = self.stage.module
         self.opt = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=0.9)
 
     def forward_backward(self, x, y) -> None:
-        self.strategy.forward_backward(self.stage, x, y, F.cross_entropy, 1.0)
+        self.stage.forward_backward(x, y, F.cross_entropy, 1.0)
 
 
 class Torch:
@@ -91,6 +106,93 @@ class Torch:
             self.schedule.step(x)
         else:
             self.schedule.step(target=y, losses=[])
+
+
+class TorchReplicated(Torch):
+    """torch's 1F1B over a torch DDP of this stage, whose replicas are the `dp_group`."""
+
+    def __init__(self, topo, m: int, pp_group, dp_group):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        self.index = topo.rank % STAGES
+        self.module = copy.deepcopy(split_model(model(), STAGES)[self.index])
+        ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=dp_group)
+        stage = PipelineStage(ddp, self.index, STAGES, torch.device("cpu"), group=pp_group)
+        self.schedule = Schedule1F1B(stage, m, loss_fn=F.cross_entropy)
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=0.9)
+
+
+def build_replicated(topo, m: int) -> dict:
+    """Ours and torch's 1F1B on 2 stages × 2 replicas; torch's groups made as our grid's are."""
+    lines = torch.arange(topo.world_size).view(-1, STAGES)
+    pp = {tuple(r): dist.new_group(r) for r in lines.tolist()}
+    dp = {tuple(c): dist.new_group(c) for c in lines.t().tolist()}
+    mine = lambda groups: next(g for ranks, g in groups.items() if topo.rank in ranks)  # noqa: E731
+    return {"ours-1f1b": Ours(topo, "1f1b", m), "torch-1f1b": TorchReplicated(topo, m, mine(pp), mine(dp))}
+
+
+_MASKS: dict[int, torch.Tensor] = {}
+
+
+def _causal(x: torch.Tensor) -> torch.Tensor:
+    length = x.shape[1]
+    if length not in _MASKS:
+        _MASKS[length] = nn.Transformer.generate_square_subsequent_mask(length)
+    return _MASKS[length]
+
+
+GPT_CUT = Cut("blocks.layers", embed=lambda model, tokens: model.embed(tokens) + model.pos,
+              head=lambda model, h: model.head(model.norm(h)),
+              block=lambda block, h: block(h, src_mask=_causal(h), is_causal=True))
+GPT_SPLIT = ("blocks.layers.4",)
+
+
+class OursGPT(Ours):
+    def __init__(self, topo, m: int):
+        strategy = Pipeline(stages=STAGES, microbatches=m, cut=GPT_CUT, split_at=GPT_SPLIT)
+        self.stage, _ = strategy.setup(make_model("transformer"), None, strategy.grid(topo))
+        self.module = self.stage.module
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=0.9)
+
+    def forward_backward(self, x, y) -> None:
+        self.stage.forward_backward(x, y, loss_of_logits, 1.0)
+
+
+class _Run(nn.Module):
+    """A cut stage as torch's PipelineStage wants it: a module whose forward runs the stage."""
+
+    def __init__(self, part: nn.Module, run):
+        super().__init__()
+        self.part, self.run = part, run
+
+    def forward(self, x):
+        return self.run(x)
+
+
+class TorchGPT(Torch):
+    def __init__(self, topo, m: int, group):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        self.index = topo.rank
+        part = copy.deepcopy(make_model("transformer"))
+        run = prune(part, GPT_CUT, (0, 4) if self.index == 0 else (4, 7), first=self.index == 0,
+                    last=self.index == STAGES - 1)
+        self.module = part
+        stage = PipelineStage(_Run(part, run), self.index, STAGES, torch.device("cpu"), group=group)
+        self.schedule = Schedule1F1B(stage, m, loss_fn=loss_of_logits)
+        self.opt = torch.optim.SGD(part.parameters(), lr=LR, momentum=0.9)
+
+
+def loss_of_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten())
+
+
+def speed_gpt(topo, m: int, sequences: int, warmup: int, rounds: int, steps: int) -> dict:
+    """Phase 4: ours and torch's 1F1B on the GPT cut at the same block."""
+    torch_group = dist.new_group([0, 1])
+    (x, y), = make_batches("transformer", sequences * SEQ, 1, seed=7)
+    impls = {"ours-1f1b": OursGPT(topo, m), "torch-1f1b": TorchGPT(topo, m, torch_group)}
+    return timed(impls, x, y, warmup, rounds, steps)
 
 
 def build(topo, m: int) -> dict:
@@ -136,8 +238,21 @@ def memory(topo, m: int, batch: int) -> dict:
 def speed(topo, m: int, batch: int, warmup: int, rounds: int, steps: int) -> dict:
     """Phase 2, in fresh processes with glibc's default allocator: interleaved timed steps."""
     x, y = batch_of(batch)
-    impls = build(topo, m)
-    cpu: dict[str, list[float]] = {name: [] for name in IMPLS}
+    return timed(build(topo, m), x, y, warmup, rounds, steps)
+
+
+def speed_replicated(topo, m: int, batch: int, warmup: int, rounds: int, steps: int) -> dict:
+    """Phase 3: as phase 2, 2 stages × 2 replicas, each replica on its half of the batch."""
+    x, y = batch_of(batch)
+    replicas, index = topo.world_size // STAGES, topo.rank // STAGES
+    return timed(build_replicated(topo, m), x.chunk(replicas)[index], y.chunk(replicas)[index],
+                 warmup, rounds, steps)
+
+
+def timed(impls: dict, x, y, warmup: int, rounds: int, steps: int) -> dict:
+    """Interleaved timed steps of `impls`; their parameters compared per schedule at the end."""
+    names = list(impls)
+    cpu: dict[str, list[float]] = {name: [] for name in names}
 
     def run_block(name: str, n: int) -> list[float]:
         dist.barrier()
@@ -149,11 +264,12 @@ def speed(topo, m: int, batch: int, warmup: int, rounds: int, steps: int) -> dic
             cpu[name].append(time.thread_time() - start_cpu)
         return times
 
-    interleave(run_block, IMPLS, 1, warmup)
+    interleave(run_block, names, 1, warmup)
     for warm in cpu.values():
         warm.clear()  # keep the timed steps only
-    times = interleave(run_block, IMPLS, rounds, steps)
-    diff = {s: max_param_diff(impls[f"ours-{s}"].module, impls[f"torch-{s}"].module) for s in ("gpipe", "1f1b")}
+    times = interleave(run_block, names, rounds, steps)
+    diff = {s: max_param_diff(impls[f"ours-{s}"].module, impls[f"torch-{s}"].module)
+            for s in ("gpipe", "1f1b") if f"ours-{s}" in impls}
     return dict(times=times, cpu=cpu, diff=diff)
 
 
@@ -178,6 +294,28 @@ def bench(m: int, args) -> list[dict]:
     return rows
 
 
+def bench_replicated(m: int, args) -> dict:
+    """Phase 3's row: 1F1B on 2 stages × 2 replicas, ours against torch."""
+    results = run_on_ranks(speed_replicated, 2 * WORLD, m, args.batch, args.warmup, args.rounds, args.steps,
+                           threads=THREADS, timeout=1200, collective_timeout=300)
+    ms = {name: 1e3 * statistics.median(slowest_rank([r["times"][name] for r in results]))
+          for name in ("ours-1f1b", "torch-1f1b")}
+    return dict(schedule="1f1b", stages=STAGES, replicas=2, microbatches=m, ours_ms=ms["ours-1f1b"],
+                torch_ms=ms["torch-1f1b"], ratio=ms["ours-1f1b"] / ms["torch-1f1b"],
+                max_param_diff=max(r["diff"]["1f1b"] for r in results))
+
+
+def bench_gpt(args) -> dict:
+    """Phase 4's row."""
+    results = run_on_ranks(speed_gpt, WORLD, GPT_MICROBATCHES, args.gpt_batch, args.warmup, args.rounds,
+                           args.steps, threads=THREADS, timeout=1200, collective_timeout=300)
+    ms = {name: 1e3 * statistics.median(slowest_rank([r["times"][name] for r in results]))
+          for name in ("ours-1f1b", "torch-1f1b")}
+    return dict(schedule="1f1b", model="gpt", stages=STAGES, microbatches=GPT_MICROBATCHES,
+                split_at=list(GPT_SPLIT), ours_ms=ms["ours-1f1b"], torch_ms=ms["torch-1f1b"],
+                ratio=ms["ours-1f1b"] / ms["torch-1f1b"], max_param_diff=max(r["diff"]["1f1b"] for r in results))
+
+
 def _parse_args(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
@@ -187,10 +325,11 @@ def _parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8],
                         help="micro-batch counts to run (torch's 1F1B needs at least 2)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline.json"))
+    parser.add_argument("--gpt-batch", type=int, default=32, help="sequences of 64 tokens per step (phase 4)")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke check")
     args = parser.parse_args(argv)
     if args.quick:
-        parser.set_defaults(rounds=2, steps=2, warmup=1, batch=256, microbatches=[4, 8])
+        parser.set_defaults(rounds=2, steps=2, warmup=1, batch=256, microbatches=[4, 8], gpt_batch=8)
         args = parser.parse_args(argv)
     if any(m < STAGES or args.batch % m for m in args.microbatches):
         parser.error(f"every --microbatches must be at least {STAGES} and divide --batch")
@@ -226,8 +365,21 @@ def main(argv=None) -> None:
                     model=f"{DEPTH} x (Linear {WIDTH}->{WIDTH}, ReLU), Linear {WIDTH}->10",
                     params=sum(p.numel() for p in model().parameters()),
                     optimizer=f"SGD(lr={LR}, momentum=0.9)")
+    print(f"benchmarking {STAGES} stages x 2 replicas, 1f1b m={max(args.microbatches)} ...", flush=True)
+    replicated = bench_replicated(max(args.microbatches), args)
+    print(f"benchmarking the GPT cut at {GPT_SPLIT[0]}, 1f1b m={GPT_MICROBATCHES} ...", flush=True)
+    gpt = bench_gpt(args)
     _report(rows)
-    write_results(args, settings, load_before, results=rows)
+    print_table([replicated], [("stages", "stages", "d"), ("replicas", "replicas", "d"),
+                               ("microbatches", "m", "d"), ("ours_ms", "ours ms", ".1f"),
+                               ("torch_ms", "torch ms", ".1f"), ("ratio", "ratio", ".3f"),
+                               ("max_param_diff", "max diff", ".1e")])
+    print_table([gpt], [("model", "model", ""), ("split_at", "split at", ""), ("microbatches", "m", "d"),
+                        ("ours_ms", "ours ms", ".1f"), ("torch_ms", "torch ms", ".1f"), ("ratio", "ratio", ".3f"),
+                        ("max_param_diff", "max diff", ".1e")])
+    if gpt["ratio"] > 1.0:
+        print(f"targets missed: gpt 1f1b: ratio {gpt['ratio']:.3f} > 1.00")
+    write_results(args, settings, load_before, results=rows, replicas=replicated, gpt=gpt)
 
 
 if __name__ == "__main__":

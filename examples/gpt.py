@@ -1,6 +1,7 @@
 """Train a tiny character-level GPT on the docstrings of Python's own standard library.
 
     paratrain run -n 2 examples/gpt.py --strategy zero3     # two processes, blocks sharded
+    paratrain run -n 4 examples/gpt.py --strategy pipeline --stages 4 --layers 4   # a block per stage
     python examples/gpt.py --strategy single                # one process, the reference
 
 The text is every docstring (module, class, function) of a fixed, sorted list of standard-library
@@ -139,11 +140,19 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    # embed → blocks → head: the protocol a pipeline cuts at named blocks (paratrain's
+    # parallel/pipeline/cut.py); the first stage runs pipeline_embed, the last pipeline_head
+    def pipeline_embed(self, idx):  # idx: (B, T) token ids → (B, T, C)
+        return self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+
+    def pipeline_head(self, x):  # x: (B, T, C) → logits (B, T, V)
+        return self.head(self.ln(x))
+
     def forward(self, idx):  # idx: (B, T) token ids → logits (B, T, V)
-        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
+        x = self.pipeline_embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x))
+        return self.pipeline_head(x)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -164,10 +173,12 @@ def adamw(model: nn.Module, lr: float, weight_decay: float = 0.1) -> torch.optim
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Windows, session: pt.Session, batch: int = 64) -> float:
-    """Mean validation loss. Each rank takes every world_size-th window, the same number on every
-    rank, so each calls forward as often (zero3 gathers parameters inside it)."""
+    """Mean validation loss. Each data-parallel replica takes every replicas-th window, the same
+    number on every rank, so each calls forward as often (zero3 gathers parameters inside it);
+    the stages of one pipeline take the same windows, as they do in training."""
     model.eval()
-    mine = Subset(data, range(session.rank, len(data) - len(data) % session.world_size, session.world_size))
+    replicas, index = model.replicas, model.replica_index
+    mine = Subset(data, range(index, len(data) - len(data) % replicas, replicas))
     total = 0.0
     for x, y in DataLoader(mine, batch_size=batch):
         x, y = session.to_device((x, y))  # (b, T), (b, T)
@@ -216,16 +227,21 @@ def save_results(out: str, rows: list[dict], losses: list[float]) -> None:
     fig.savefig(os.path.join(out, "loss.png"), dpi=100)
 
 
-def strategy_for(name: str) -> str | pt.Strategy:
-    """zero3 with each transformer block a unit of its own; any other name as it is."""
+def strategy_for(name: str, stages: int = 2, schedule: str = "1f1b") -> str | pt.Strategy:
+    """zero3 with each transformer block a unit of its own; a pipeline cut between blocks (the
+    token embedding on the first stage, tied to the head on the last); any other name as it is."""
     if name == "zero3":
         return pt.ZeRO(stage=3, wrap_policy=pt.WrapPolicy(module_classes=(Block,)))
+    if name == "pipeline":
+        return pt.Pipeline(stages=stages, schedule=schedule, layers="blocks")
     return name
 
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="ddp", help="single | ddp | zero1 | zero2 | zero3")
+    parser.add_argument("--strategy", default="ddp", help="single | ddp | zero1 | zero2 | zero3 | pipeline")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (--strategy pipeline)")
+    parser.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b | gpipe")
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch, over all ranks")
     parser.add_argument("--block-size", type=int, default=64, help="context length in characters")
@@ -241,7 +257,7 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--out", default="runs/gpt")
     args = parser.parse_args(argv)
 
-    session = pt.Session(strategy=strategy_for(args.strategy), seed=args.seed,
+    session = pt.Session(strategy=strategy_for(args.strategy, args.stages, args.schedule), seed=args.seed,
                          max_grad_norm=args.max_grad_norm)
     train, val = datasets(stdlib_docstrings(), args.block_size, args.steps * args.batch_size, args.seed)
     model = GPT(len(ALPHABET), args.block_size, args.layers, args.width, args.heads)

@@ -28,7 +28,7 @@ from paratrain.parallel.ddp import DDP, DistributedDataParallel
 from paratrain.parallel.dp import DP, DataParallel
 from paratrain.parallel.hierarchical import Hierarchical, HierarchicalDataParallel
 from paratrain.parallel.model_parallel import LayersOnDevices, ModelParallel
-from paratrain.parallel.pipeline import Pipeline, PipelineStage
+from paratrain.parallel.pipeline import Cut, Pipeline, PipelineStage
 from paratrain.parallel.single import Single
 from paratrain.parallel.zero import WrapPolicy, ZeRO, shard
 from paratrain.precision import GradScaler
@@ -48,5 +48,5 @@ __all__ = [
     "PipelineStage",
     "shard", "full_state_dict", "WrapPolicy",
     "GradScaler", "MetricsLogger",
-    "Session", "Strategy", "ParallelModule", "Single", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
+    "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
 ]

@@ -109,6 +109,14 @@ class ProcessGrid:
         lines = grid.movedim(axis, -1).reshape(-1, grid.shape[axis]).tolist()
         return next(tuple(line) for line in lines if self.topology.rank in line)
 
+    def stages_group(self, stages: tuple[int, ...]) -> Group:
+        """The ranks of these pipeline stages in this rank's replica (e.g. the first and the last,
+        which hold a weight tied across stages). Collective on first use, for every replica."""
+        key = f"stages{stages}"
+        if key not in self._groups:
+            self._groups[key] = self._make([[replica * self.pp + s for s in stages] for replica in range(self.dp)])
+        return self._groups[key]
+
     def node_groups(self) -> NodeGroups:
         """The intra-node ("local") and inter-node ("node") groups (collective on first use)."""
         (intra, intra_ranks), (inter, inter_ranks) = self.group("local"), self.group("node")
@@ -119,6 +127,10 @@ class ProcessGrid:
         lines = grid.movedim(axis, -1).reshape(-1, grid.shape[axis]).tolist()
         if len(lines) == 1:  # the whole world: the default group
             return dist.group.WORLD, tuple(lines[0])
+        return self._make(lines)
+
+    def _make(self, lines: list[list[int]]) -> Group:
+        """One new group per line (every rank makes every one, in order); this rank's."""
         mine: Group = (None, ())
         for line in lines:
             group = new_group(line, timeout=self.topology.timeout_s)

@@ -48,18 +48,20 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer,
 
 
 @torch.no_grad()
-def clip_grad_norm_over(grads: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
+def clip_grad_norm_over(grads: list[torch.Tensor], max_norm: float, group=None, *,
+                        scale_also: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Clip by the global norm when the ranks of `group` hold disjoint parts of the gradients
     (ZeRO shards, pipeline stages): sum the squares of this rank's parts, all-reduce, then scale
     as torch's `clip_grad_norm_` does (coefficient max_norm / (norm + 1e-6), clamped to 1).
-    Zero padding adds nothing to the norm."""
+    Zero padding adds nothing to the norm. `scale_also`: the gradients to scale, when they are
+    more than those counted (a weight tied across pipeline stages counts once, scales on each)."""
     squares = torch.zeros((), dtype=torch.float64, device=group_device(group))
     for g in grads:
         squares += g.double().pow(2).sum().to(squares.device)
     dist.all_reduce(squares, group=group)
     norm = squares.sqrt().float()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
+    for g in grads if scale_also is None else scale_also:
         g.mul_(scale.to(g.device, g.dtype))
     return norm
 

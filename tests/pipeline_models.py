@@ -19,3 +19,46 @@ def chain(seed: int = 0) -> nn.Sequential:
 def batches(steps: int = STEPS, batch: int = GLOBAL_BATCH):
     g = torch.Generator().manual_seed(1)
     return torch.randn(steps, batch, 12, generator=g), torch.randint(0, 5, (steps, batch), generator=g)
+
+
+class TinyGPT(nn.Module):
+    """A GPT with its head tied to the token embedding, cut at named blocks: it defines
+    pipeline_embed and pipeline_head, the protocol of paratrain/parallel/pipeline/cut.py."""
+
+    def __init__(self, vocab=11, block=8, width=16, layers=4, heads=2):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Parameter(torch.randn(block, width) * 0.1)  # a parameter on the path
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0,
+                                                               batch_first=True, norm_first=True)
+                                    for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def pipeline_embed(self, idx):  # (B, T) → (B, T, C)
+        return self.tokens(idx) + self.positions[: idx.shape[1]]
+
+    def pipeline_head(self, x):  # (B, T, C) → (B, T, V)
+        return self.head(self.ln(x))
+
+    def forward(self, idx):
+        x = self.pipeline_embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.pipeline_head(x)
+
+
+def tiny_gpt(seed: int = 0, layers: int = 4) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT(layers=layers)
+
+
+def token_batches(steps: int = STEPS, batch: int = GLOBAL_BATCH, vocab: int = 11, block: int = 8):
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, vocab, (steps, batch, block + 1), generator=g)
+    return tokens[..., :-1], tokens[..., 1:]
+
+
+def next_token_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

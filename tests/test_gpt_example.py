@@ -1,4 +1,5 @@
-"""examples/gpt.py as a user runs it: two processes through `paratrain run` with ddp and zero3,
+"""examples/gpt.py as a user runs it: two processes through `paratrain run` with ddp, zero3 and a
+two-stage pipeline (the token embedding on stage 0 tied to the head on stage 1),
 and one in-process single run as the reference. A small model, 200 steps: each run must learn
 (validation loss well below the uniform guess ln 96, and below the unigram plateau near 3.3)
 and write its files. The two-rank runs must also match the single run at the first validation
@@ -59,7 +60,7 @@ def test_single_run_learns(single):
     assert single[0] < UNIFORM - 1.2
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "pipeline"])
 def test_two_ranks_learn_as_one_does(strategy, single, tmp_path):
     cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "examples/gpt.py", *SMALL,
            "--strategy", strategy, "--out", str(tmp_path)]

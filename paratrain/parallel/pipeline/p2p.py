@@ -22,13 +22,16 @@ ratios 0.98-1.03 against 0.95-0.98). At the ends of the pipeline the moves do no
 return None, so schedules never test for first/last.
 
 [Note: shapes agreed once]
-A receiver must allocate its buffer before the data arrives, so it must know the shape and dtype.
-The first time an input shape is seen, each stage sends the next a small header (number of
-dimensions, dtype, shape) ahead of the first activation; the receiver caches it under that input
-shape, which every stage of a replica knows because every stage is given the same batch. Later
-steps with that input shape send no header. A gradient has its activation's shape, so backward
-needs no header. Micro-batches of one step are equal (the batch must divide evenly), so one shape
-serves the whole step.
+A receiver must allocate its buffers before the data arrives, so it must know their shapes and
+dtypes. An activation is a tensor, or a tuple / dict of tensors (a hidden state and an attention
+mask): its leaves travel as separate tensors. The first time an input shape is seen, each stage
+sends the next a header — the activation's tree structure and each leaf's shape and dtype, as
+JSON in a uint8 tensor, after its length — ahead of the first activation; the receiver caches it
+under that input shape, which every stage of a replica knows because every stage is given the
+same batch. Later steps with that input shape send no header. Gradients travel back for the
+floating-point leaves only (an integer mask has none), each with its leaf's shape, so backward
+needs no header. Micro-batches of one step are equal (the batch must divide evenly), so one
+header serves the whole step.
 
 Sends are asynchronous (`isend`): a stage computes while its outputs travel. A send holds its
 tensor until it is waited on, and gloo reports a send complete only once waited on, so before a
@@ -42,18 +45,22 @@ sleeping, no polling).
 
 from __future__ import annotations
 
-from typing import Hashable
+import json
+from typing import Any, Hashable
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from paratrain import comm
 from paratrain.errors import UsageError
 
-# floating only: every activation carries a gradient back
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-_MAX_DIMS = 8
-_HEADER = 2 + _MAX_DIMS  # (ndim, dtype index, shape padded with zeros)
+Meta = tuple[torch.Size, torch.dtype]  # one leaf's shape and dtype
+
+
+def floating(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaves that carry a gradient back: the floating-point ones."""
+    return [t for t in leaves if t.is_floating_point()]
 
 
 class StageLinks:
@@ -62,13 +69,13 @@ class StageLinks:
     def __init__(self, group: dist.ProcessGroup | None, stage: int, stages: int, device: torch.device):
         self.group, self.stage, self.stages, self.device = group, stage, stages, device
         self.is_first, self.is_last = stage == 0, stage == stages - 1
-        self._in_shapes: dict[Hashable, tuple[torch.Size, torch.dtype]] = {}  # input shape → activation in
+        self._in: dict[Hashable, tuple[Any, list[Meta]]] = {}  # input shape → (tree spec, leaf metas) in
         self._announced: set[Hashable] = set()  # input shapes whose header went to the next stage
         self._key: Hashable = None  # this step's input micro-batch shape
-        self._out: tuple[torch.Size, torch.dtype] | None = None  # this step's output shape
+        self._out: list[Meta] | None = None  # this step's output floating leaves
         self._sends: dict[int, list[dist.Work]] = {}  # peer → its last message's sends, not waited on
         self._grads_left = 0  # gradient receives of this step not posted yet
-        self._next_grad: tuple[torch.Tensor, dist.Work] | None = None  # the one posted ahead
+        self._next_grad: tuple[list[torch.Tensor], list[dist.Work]] | None = None  # posted ahead
 
     def begin(self, key: Hashable, microbatches: int) -> None:
         """Start a step of `microbatches` micro-batches whose input micro-batches have shape `key`
@@ -79,24 +86,31 @@ class StageLinks:
 
     # -- forward direction ---------------------------------------------------------------------
 
-    def recv_forward(self) -> torch.Tensor | None:
+    def recv_forward(self) -> Any:
         """The next activation from the previous stage; None on the first stage."""
         if self.is_first:
             return None
-        if self._key not in self._in_shapes:  # see [Note: shapes agreed once]
-            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-            self._in_shapes[self._key] = _shape_of(comm.recv(header, self.stage - 1, self.group))
-        shape, dtype = self._in_shapes[self._key]
-        return comm.recv(torch.empty(shape, dtype=dtype, device=self.device), self.stage - 1, self.group)
+        if self._key not in self._in:  # see [Note: shapes agreed once]
+            length = comm.recv(torch.zeros(1, dtype=torch.int64, device=self.device), self.stage - 1, self.group)
+            header = comm.recv(torch.empty(int(length), dtype=torch.uint8, device=self.device),
+                               self.stage - 1, self.group)
+            self._in[self._key] = _decode(header)
+        spec, metas = self._in[self._key]
+        leaves = [comm.recv(torch.empty(shape, dtype=dtype, device=self.device), self.stage - 1, self.group)
+                  for shape, dtype in metas]
+        return tree_unflatten(leaves, spec)
 
-    def send_forward(self, y: torch.Tensor) -> None:
+    def send_forward(self, y: Any) -> None:
         """Send this stage's output to the next stage (nothing on the last stage)."""
         if self.is_last:
             return
-        self._out = (y.shape, y.dtype)
-        message = [y.detach().contiguous()]
+        leaves, spec = tree_flatten(y)
+        _check_leaves(leaves)
+        self._out = [(t.shape, t.dtype) for t in floating(leaves)]
+        message = [t.detach().contiguous() for t in leaves]
         if self._key not in self._announced:
-            message.insert(0, _header(y, self.device))
+            header = _encode(spec, leaves, self.device)
+            message = [torch.tensor([header.numel()], dtype=torch.int64, device=self.device), header] + message
             self._announced.add(self._key)
         self._isend(message, self.stage + 1)
         if self._next_grad is None and self._grads_left:
@@ -104,31 +118,32 @@ class StageLinks:
 
     # -- backward direction --------------------------------------------------------------------
 
-    def recv_backward(self) -> torch.Tensor | None:
-        """The gradient of this stage's output from the next stage; None on the last stage."""
+    def recv_backward(self) -> list[torch.Tensor] | None:
+        """The gradients of this stage's output's floating leaves from the next stage; None on
+        the last stage."""
         if self.is_last:
             return None
         if self._next_grad is None:
             self._post_grad()
-        (g, handle), self._next_grad = self._next_grad, None
-        handle.wait()
+        (grads, handles), self._next_grad = self._next_grad, None
+        for handle in handles:
+            handle.wait()
         if self._grads_left:
             self._post_grad()
-        return g
+        return grads
 
-    def send_backward(self, dx: torch.Tensor | None) -> None:
-        """Send the gradient of this stage's input back (nothing on the first stage)."""
+    def send_backward(self, dx: list[torch.Tensor] | None) -> None:
+        """Send the gradients of this stage's input's floating leaves back (nothing on the first)."""
         if not self.is_first:
-            self._isend([dx.contiguous()], self.stage - 1)
-
+            self._isend([g.contiguous() for g in dx], self.stage - 1)
     # -- fused moves of 1F1B's steady state ---------------------------------------------------
 
-    def send_forward_recv_backward(self, y: torch.Tensor) -> torch.Tensor | None:
+    def send_forward_recv_backward(self, y: Any) -> list[torch.Tensor] | None:
         """Send output `y` on, and receive the gradient of this stage's oldest waiting output."""
         self.send_forward(y)
         return self.recv_backward()
 
-    def send_backward_recv_forward(self, dx: torch.Tensor | None) -> torch.Tensor | None:
+    def send_backward_recv_forward(self, dx: list[torch.Tensor] | None) -> Any:
         """Send input gradient `dx` back, and receive the next activation from the previous stage."""
         self.send_backward(dx)
         return self.recv_forward()
@@ -150,8 +165,8 @@ class StageLinks:
     def _post_grad(self) -> None:
         if self._out is None:
             raise UsageError("a schedule asked for a gradient before this stage sent any output")
-        g = torch.empty(self._out[0], dtype=self._out[1], device=self.device)
-        self._next_grad = (g, comm.irecv(g, self.stage + 1, self.group))
+        grads = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self._out]
+        self._next_grad = (grads, [comm.irecv(g, self.stage + 1, self.group) for g in grads])
         self._grads_left -= 1
 
 
@@ -160,20 +175,31 @@ def broadcast_output(y: torch.Tensor | None, src: int, group: dist.ProcessGroup 
     """Stage `src`'s tensor `y` (None on the other stages) on every rank of the pipeline
     `group`: its header first, so the others can allocate, then its data."""
     if dist.get_rank(group) == src:
-        comm.broadcast(_header(y, device), src, group)
+        _check_leaves([y])
+        header = _encode(tree_flatten(y)[1], [y], device)
+        comm.broadcast(torch.tensor([header.numel()], dtype=torch.int64, device=device), src, group)
+        comm.broadcast(header, src, group)
         return comm.broadcast(y.contiguous(), src, group)
-    shape, dtype = _shape_of(comm.broadcast(torch.zeros(_HEADER, dtype=torch.int64, device=device), src, group))
+    length = comm.broadcast(torch.zeros(1, dtype=torch.int64, device=device), src, group)
+    _, [(shape, dtype)] = _decode(comm.broadcast(torch.empty(int(length), dtype=torch.uint8, device=device),
+                                                 src, group))
     return comm.broadcast(torch.empty(shape, dtype=dtype, device=device), src, group)
 
 
-def _shape_of(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-    ndim, code = int(header[0]), int(header[1])
-    return torch.Size(header[2:2 + ndim].tolist()), _DTYPES[code]
+def _encode(spec: Any, leaves: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tree structure and each leaf's shape and dtype, as JSON bytes in a uint8 tensor."""
+    text = json.dumps({"spec": treespec_dumps(spec),
+                       "leaves": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in leaves]})
+    return torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
 
 
-def _header(y: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if y.dim() > _MAX_DIMS or y.dtype not in _DTYPES:
-        raise UsageError(f"a stage's output must be one floating-point tensor of at most {_MAX_DIMS} "
-                         f"dimensions to travel to the next stage; got {tuple(y.shape)} {y.dtype}")
-    return torch.tensor([y.dim(), _DTYPES.index(y.dtype), *y.shape] + [0] * (_MAX_DIMS - y.dim()),
-                        dtype=torch.int64, device=device)
+def _decode(header: torch.Tensor) -> tuple[Any, list[Meta]]:
+    data = json.loads(bytes(header.cpu().tolist()).decode())
+    return treespec_loads(data["spec"]), [(torch.Size(shape), getattr(torch, dtype)) for shape, dtype in data["leaves"]]
+
+
+def _check_leaves(leaves: list[Any]) -> None:
+    bad = [type(t).__name__ for t in leaves if not torch.is_tensor(t)]
+    if bad or not leaves:
+        raise UsageError(f"a stage's output must be a tensor, or a tuple / dict of tensors, to travel to the "
+                         f"next stage; got leaves of type {bad or 'none'}")

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from paratrain import comm
 from paratrain.errors import ConfigError, UsageError
@@ -40,7 +41,9 @@ from paratrain.optim import clip_grad_norm_over
 from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule, check_loss, user_key
 from paratrain.parallel.buckets import DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, AllReduce
 from paratrain.parallel.grad_sync import GradSync
-from paratrain.parallel.pipeline.p2p import StageLinks, broadcast_output
+from paratrain.parallel.pipeline.microbatches import chunks, shape_key
+from paratrain.parallel.pipeline.p2p import StageLinks, broadcast_output, floating
+from paratrain.parallel.pipeline.tied import TiedWeights
 from paratrain.parallel.pipeline.timeline import Event, Kind
 
 Schedule = Callable[["PipelineStage", int], None]
@@ -52,15 +55,23 @@ class PipelineStage(ParallelModule):
     pipe_group: the ranks of this pipeline (one per stage), in stage order.
     dp_group: the ranks holding this same stage in other replicas (None or size 1: no replicas).
     device: where this stage's layers, activations and gradients live.
+    run: what the stage computes (default `module` itself; a cut model's `StageRun`, cut.py).
+    tied: the weights this stage shares with other stages (tied.py).
+    names: each parameter's name in the whole model (a tied weight's first name there).
     """
 
     supports_token_weights = False  # micro-batches are cut inside the schedule (Session refuses weight=)
 
     def __init__(self, module: nn.Module, *, stage: int, stages: int, schedule: Schedule,
                  microbatches: int, pipe_group: dist.ProcessGroup | None,
-                 dp_group: dist.ProcessGroup | None, device: torch.device):
+                 dp_group: dist.ProcessGroup | None, device: torch.device,
+                 run: Callable[[Any], Any] | None = None, tied: TiedWeights | None = None,
+                 names: dict[nn.Parameter, str] | None = None):
         super().__init__()
         self.module = module
+        self.run = run or module
+        self.tied = tied or TiedWeights()
+        self._names = names or {}
         self.stage, self.stages, self.microbatches = stage, stages, microbatches
         self.schedule = schedule
         self.pipe_group, self.dp_group = pipe_group, dp_group
@@ -71,9 +82,9 @@ class PipelineStage(ParallelModule):
         self._model_shapes: dict[str, torch.Size] | None = None  # gathered on first use
         self._buffers_stale = True  # broadcast replica 0's buffers at the next forward (as DDP)
         self.events: list[Event] = []  # what this stage ran in the last step
-        self._stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # i → (input, output)
-        self._inputs: tuple[torch.Tensor, ...] = ()
-        self._targets: tuple[torch.Tensor, ...] = ()
+        self._stash: dict[int, tuple[Any, Any]] = {}  # i → (input, output) of micro-batch i
+        self._inputs: list[Any] = []  # the step's micro-batches (tensors, or trees of them)
+        self._targets: list[Any] = []
         self._losses: list[torch.Tensor] = []
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -86,13 +97,11 @@ class PipelineStage(ParallelModule):
             raise UsageError("a pipeline stage's forward is for inference: call it under "
                              "torch.no_grad(); to train, call session.train_step(batch, loss_fn), "
                              "which runs forward and backward together, micro-batch by micro-batch")
-        if not torch.is_tensor(inputs):
-            raise UsageError(f"a pipeline forward takes one tensor of inputs; got {type(inputs).__name__}")
         self._sync_buffers()
         links, outputs = self.links, []
-        for x in inputs.chunk(self.microbatches):  # the last may be shorter: its own shape key
-            links.begin(tuple(x.shape), 0)  # no gradients to receive
-            y = self.module(x if links.is_first else links.recv_forward())
+        for x in chunks(inputs, self.microbatches, exact=False):  # the last may be shorter
+            links.begin(shape_key(x), 0)  # no gradients to receive
+            y = self.run(x if links.is_first else links.recv_forward())
             self._check_output(y)
             links.send_forward(y)
             outputs.append(y)
@@ -102,35 +111,24 @@ class PipelineStage(ParallelModule):
 
     # -- one step --------------------------------------------------------------------------------
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
-                         loss_fn: LossFn, scale: float = 1.0) -> torch.Tensor:
+    def forward_backward(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of one batch through the whole pipeline, by the schedule.
         Every stage passes the same batch. Returns the batch's mean loss on every stage."""
         self.start_step(inputs, targets, loss_fn, scale)
         self.schedule(self, self.microbatches)
         return self.finish_step()
 
-    def start_step(self, inputs: torch.Tensor, targets: torch.Tensor,
-                   loss_fn: LossFn, scale: float) -> None:
-        """Cut the batch into `microbatches` equal micro-batches; the loss of each is scaled by
-        scale / microbatches."""
-        if not (torch.is_tensor(inputs) and torch.is_tensor(targets)):
-            raise UsageError("a pipeline step takes a batch (inputs, targets) of two tensors, cut "
-                             f"into micro-batches along dim 0; got {type(inputs).__name__}, "
-                             f"{type(targets).__name__}")
-        m, batch = self.microbatches, inputs.shape[0]
-        if batch % m:
-            raise ConfigError(f"{m} micro-batches do not divide this stage's batch of {batch} "
-                              f"samples: use a per-replica batch that is a multiple of {m}, "
-                              "or change Pipeline(microbatches=...)")
-        self._inputs = inputs.chunk(m)
-        self._targets = targets.chunk(m)
+    def start_step(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float) -> None:
+        """Cut the batch (tensors, or tuples / dicts of them) into `microbatches` equal
+        micro-batches along dim 0; the loss of each is scaled by scale / microbatches."""
+        m = self.microbatches
+        self._inputs, self._targets = chunks(inputs, m), chunks(targets, m)
         self._loss_fn, self._scale = loss_fn, scale / m
         self._losses, self.events = [], []
         self._stash.clear()  # a step that raised may have left activations behind
         self._sync_buffers()
         self._buffers_stale = self.require_backward_grad_sync  # the step after a no_sync() one skips it
-        self.links.begin(tuple(self._inputs[0].shape), m)
+        self.links.begin(shape_key(self._inputs[0]), m)
 
     def finish_step(self) -> torch.Tensor:
         """Wait for this step's sends and for the replicas' gradient all-reduces, and return the
@@ -140,6 +138,8 @@ class PipelineStage(ParallelModule):
             raise UsageError(f"the schedule left micro-batches {sorted(self._stash)} without backward")
         if self._grad_sync is not None:
             self._grad_sync.finish()
+        if self.require_backward_grad_sync and self.tied.params:
+            self.tied.sum_grads()  # after the replicas' average: both are linear
         # float32 everywhere: a broadcast needs the same dtype on every rank
         loss = torch.stack(self._losses).float().mean() if self.links.is_last else \
             torch.zeros((), device=self.links.device)
@@ -147,15 +147,16 @@ class PipelineStage(ParallelModule):
 
     # -- what schedules call -------------------------------------------------------------------
 
-    def forward_one(self, i: int, x: torch.Tensor | None) -> torch.Tensor:
+    def forward_one(self, i: int, x: Any) -> Any:
         """Run micro-batch i (x: the activation received, None on the first stage); return the
         output to send on, or on the last stage the micro-batch's loss."""
         start = time.perf_counter()
         if x is None:
             x = self._inputs[i]
-        else:
-            x.requires_grad_()  # its gradient is what backward sends to the previous stage
-        y = self.module(x)
+        else:  # their gradients are what backward sends to the previous stage
+            for leaf in floating(tree_flatten(x)[0]):
+                leaf.requires_grad_()
+        y = self.run(x)
         if self.links.is_last:
             y = check_loss(self._loss_fn(y, self._targets[i]))
             self._losses.append(y.detach())
@@ -165,9 +166,10 @@ class PipelineStage(ParallelModule):
         self._record(Kind.FORWARD, i, start)
         return y
 
-    def backward_one(self, i: int, g: torch.Tensor | None) -> torch.Tensor | None:
-        """Back-propagate micro-batch i (g: gradient of its output, None on the last stage, which
-        starts from its scaled loss); return the gradient of its input (None on the first)."""
+    def backward_one(self, i: int, g: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """Back-propagate micro-batch i (g: gradients of its output's floating leaves, None on the
+        last stage, which starts from its scaled loss); return those of its input (None on the
+        first stage)."""
         start = time.perf_counter()
         x, y = self._stash.pop(i)
         if self._grad_sync is not None:  # the step's last backward averages over the replicas
@@ -176,15 +178,18 @@ class PipelineStage(ParallelModule):
         if g is None:
             (y * self._scale).backward()
         else:
-            torch.autograd.backward(y, g)
-        dx = None if self.links.is_first else x.grad
+            outputs = floating(tree_flatten(y)[0])
+            torch.autograd.backward([o for o, _ in zip(outputs, g) if o.requires_grad],
+                                    [d for o, d in zip(outputs, g) if o.requires_grad])
+        dx = None if self.links.is_first else [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                                                for leaf in floating(tree_flatten(x)[0])]
         self._record(Kind.BACKWARD, i, start)
         return dx
 
     def _check_output(self, y: Any) -> None:
-        if not torch.is_tensor(y):
-            raise UsageError(f"stage {self.stage} returned {type(y).__name__}; a stage must return one "
-                             "tensor (before the last: the activation for the next stage)")
+        if not all(torch.is_tensor(t) for t in tree_flatten(y)[0]):
+            raise UsageError(f"stage {self.stage} returned {type(y).__name__}; a stage must return a tensor, or "
+                             "a tuple / dict of tensors (before the last: the activation for the next stage)")
 
     def _record(self, kind: Kind, i: int, start: float) -> None:
         self.events.append(Event(self.stage, kind, i, start, time.perf_counter(), len(self._stash)))
@@ -211,9 +216,12 @@ class PipelineStage(ParallelModule):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over all stages' gradients: squares summed over the pipeline group
-        (replicas hold equal gradients after their all-reduce, so they are counted once)."""
+        (replicas hold equal gradients after their all-reduce, and a tied weight's copies equal
+        ones after theirs: each is counted once)."""
         grads, group = self.local_grads()
-        return clip_grad_norm_over(grads, max_norm, group)
+        skip = self.tied.not_counted()
+        counted = [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
+        return clip_grad_norm_over(counted, max_norm, group, scale_also=grads)
 
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         """This stage's gradients; the other stages' are on the other ranks of the pipeline
@@ -238,8 +246,14 @@ class PipelineStage(ParallelModule):
                               "the dataset")
 
     def checkpoint_layout(self) -> CheckpointLayout:
-        """This stage's parameters, whole; the shapes of the whole model's."""
-        return CheckpointLayout.whole(self.module, shapes=self.model_shapes())
+        """This stage's parameters, whole, under their names in the whole model (a tied weight
+        under its first one: its copies write one entry); the shapes of the whole model's."""
+        whole = CheckpointLayout.whole(self.module, shapes=self.model_shapes())
+        params = {self._name(p, n): p for n, p in whole.params.items()}
+        return CheckpointLayout(params, {}, False, whole.buffers, whole.shapes)
+
+    def _name(self, p: nn.Parameter, local: str) -> str:
+        return self._names.get(p, local)
 
     def gather_events(self) -> list[Event]:
         """Every stage's events of the last step, on every rank of the pipeline (collective)."""
@@ -257,7 +271,7 @@ class PipelineStage(ParallelModule):
         """Name → shape of every parameter of the whole model, in stage order (collective over
         the pipeline the first time): what a checkpoint records to recognise its model."""
         if self._model_shapes is None:
-            mine = {user_key(n): p.shape for n, p in self.module.named_parameters()}
+            mine = {self._name(p, user_key(n)): p.shape for n, p in self.module.named_parameters()}
             self._model_shapes = {n: s for part in self._from_every_stage(mine) for n, s in part.items()}
         return self._model_shapes
 

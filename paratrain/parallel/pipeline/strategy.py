@@ -25,9 +25,13 @@ from paratrain.errors import ConfigError
 from paratrain.grid import ProcessGrid
 from paratrain.optim import rebuild_optimizer
 from paratrain.parallel.base import Strategy, uncompiled
-from paratrain.parallel.pipeline.partition import BALANCES, layer_costs, split_model
+from paratrain.parallel.pipeline.adapters import cut_for
+from paratrain.parallel.pipeline.cut import Cut
+from paratrain.parallel.pipeline.partition import BALANCES, layer_costs
+from paratrain.parallel.pipeline.plan import StagePlan, plan_cut, plan_sequential
 from paratrain.parallel.pipeline.schedules import SCHEDULES
 from paratrain.parallel.pipeline.stage import PipelineStage
+from paratrain.parallel.pipeline.tied import TiedWeights, holders
 from paratrain.topology import Topology
 
 
@@ -41,6 +45,9 @@ class Pipeline(Strategy):
     microbatches: int = 4  # micro-batches per replica batch; must divide the replica's batch size
     balance: str = "layers"  # cut an nn.Sequential by "layers", "params" or measured "time"
     sample: Any = None  # balance="time" only: an input batch, or a function that returns one
+    layers: str | None = None  # another model: the nn.ModuleList of blocks to cut (cut.py)
+    split_at: tuple[str, ...] | None = None  # the blocks where stages 1 … S-1 begin, e.g. ("blocks.2",)
+    cut: Cut | None = None  # how to run that model's parts; default: its pipeline_embed/_head
 
     def __post_init__(self):
         if self.stages < 1 or self.microbatches < 1:
@@ -50,48 +57,49 @@ class Pipeline(Strategy):
             raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose one of {sorted(SCHEDULES)}")
         if self.balance not in BALANCES:
             raise ConfigError(f"balance must be one of {BALANCES}; got {self.balance!r}")
-
+        if self.split_at is not None:
+            object.__setattr__(self, "split_at", tuple(self.split_at))  # hashable
     def grid(self, topology: Topology) -> ProcessGrid:
         """Rows of `stages` ranks are pipelines; the rest of the world is replicas."""
         return ProcessGrid(topology, pp=self.stages)
 
     def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
         """This rank's stage on its device, its replicas starting from the first replica's
-        parameters, and the optimizer rebuilt for the stage (`stage_optimizer`). Collective:
-        every rank asks the grid for the same groups, in the same order."""
-        pieces = self._cut(model)
-        _refuse_weights_tied_across_stages(pieces)
+        parameters, its tied weights from the lowest stage holding them, and the optimizer
+        rebuilt for the stage (`stage_optimizer`). Collective: every rank asks the grid for the
+        same groups, in the same order."""
+        names = {p: n for n, p in model.named_parameters()}  # a tied weight: its first name
+        plan = self._plan(model)
+        tied = holders(plan.holdings)
+        module, run = plan.build(grid.stage)
+        module = module.to(grid.topology.device)
         (pipe_group, _), (dp_group, _) = grid.group("pp"), grid.group("dp")
-        module = pieces[grid.stage].to(grid.topology.device)
+        tied_weights = TiedWeights()
+        for stages in sorted(set(tied.values())):  # every rank makes every group, in order
+            group, _ = grid.stages_group(stages)
+            for p in module.parameters():
+                if tied.get(id(p)) == stages:
+                    tied_weights.add(p, group, lowest=grid.stage == stages[0])
         broadcast_coalesced([*module.parameters(), *module.buffers()], dp_group)
+        tied_weights.broadcast()
         stage = PipelineStage(module, stage=grid.stage, stages=self.stages, schedule=SCHEDULES[self.schedule],
                               microbatches=self.microbatches, pipe_group=pipe_group, dp_group=dp_group,
-                              device=grid.topology.device)
+                              device=grid.topology.device, run=run, tied=tied_weights, names=names)
         return stage, stage_optimizer(optimizer, module) if optimizer is not None else None
 
-    def _cut(self, model: nn.Module) -> list[nn.Module]:
+    def _plan(self, model: nn.Module) -> StagePlan:
         if uncompiled(model) is not model:
             raise ConfigError("torch.compile(model) wraps the model in one compiled module, which a pipeline "
                               "cannot cut into stages: compile the layers in place instead "
                               "(`for layer in model: layer.compile()`) before setup")
-        costs = None  # one per layer; None: every layer costs 1
-        if isinstance(model, nn.Sequential) and self.balance != "layers":
-            costs = layer_costs(model, self.balance, self.sample)
-            if self.balance == "time":  # times differ between ranks, cuts must not: take rank 0's
-                costs = comm.broadcast_object(costs)
-        return split_model(model, self.stages, costs=costs)
-
-
-def _refuse_weights_tied_across_stages(pieces: list[nn.Module]) -> None:
-    """A parameter held by two stages would be two copies, stepped apart: refuse it."""
-    owner: dict[int, tuple[int, str]] = {}
-    for index, piece in enumerate(pieces):
-        for name, p in piece.named_parameters(remove_duplicate=False):
-            first = owner.setdefault(id(p), (index, name))
-            if first[0] != index:
-                raise ConfigError(f"parameter {first[1]!r} of stage {first[0]} is tied to {name!r} of "
-                                  f"stage {index}; weights tied across pipeline stages are not supported: "
-                                  "cut the model so both users are on one stage, or untie them")
+        if isinstance(model, (nn.Sequential, list, tuple, nn.ModuleList)) and self.layers is None:
+            costs = None  # one per layer; None: every layer costs 1
+            if isinstance(model, nn.Sequential) and self.balance != "layers":
+                costs = layer_costs(model, self.balance, self.sample)
+                if self.balance == "time":  # times differ between ranks, cuts must not: take rank 0's
+                    costs = comm.broadcast_object(costs)
+            return plan_sequential(model, self.stages, costs)
+        return plan_cut(model, self.stages, cut_for(model, self.layers, self.cut), self.split_at, self.balance)
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, stage: nn.Module) -> torch.optim.Optimizer:

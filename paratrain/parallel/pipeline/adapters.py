@@ -1,0 +1,58 @@
+"""Which cut a model gets (`cut_for`), and cuts for known model classes that do not define
+pipeline_embed / pipeline_head themselves (cut.py, [Note: cutting a model by names]). Each is the model's own forward, split where its
+blocks begin and end; tests/test_pipeline_cut.py checks each against the model's forward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.errors import ConfigError
+from paratrain.parallel.pipeline.cut import Cut
+
+
+def _gpt2_embed(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """GPT2Model.forward up to its blocks: token and position embeddings, dropout."""
+    t = model.transformer
+    positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+    return t.drop(t.wte(input_ids) + t.wpe(positions))  # (B, T, C)
+
+
+def _gpt2_block(block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    # no attention mask: the attention is causal by itself (sdpa's is_causal), which is what
+    # GPT2Model passes for unpadded batches; padded batches are not supported on stages
+    out = block(hidden)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _gpt2_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The final LayerNorm and the language-model head: logits (B, T, vocab)."""
+    return model.lm_head(model.transformer.ln_f(hidden))
+
+
+GPT2_CUT = Cut("transformer.h", embed=_gpt2_embed, head=_gpt2_head, block=_gpt2_block)
+
+
+def known_cut(model: nn.Module) -> Cut | None:
+    """The built-in cut for `model`'s class, or None."""
+    known: dict[str, Any] = {"GPT2LMHeadModel": GPT2_CUT}
+    return known.get(type(model).__name__)
+
+
+def cut_for(model: nn.Module, layers: str | None, cut: Cut | None) -> Cut:
+    """The cut to use: the one given; else the model's own pipeline_embed / pipeline_head around
+    `layers`; else a built-in adapter for a known model; else an error saying what to give."""
+    if cut is not None:
+        return cut
+    embed, head = getattr(type(model), "pipeline_embed", None), getattr(type(model), "pipeline_head", None)
+    if layers is not None and embed is not None and head is not None:
+        return Cut(layers, embed=embed, head=head)
+    found = known_cut(model)
+    if found is not None:
+        return found
+    raise ConfigError(f"a pipeline cuts an nn.Sequential between its layers, or a model whose forward is "
+                      f"embed → blocks → head at named blocks; {type(model).__name__} is neither. Give "
+                      "Pipeline(layers='blocks') and define pipeline_embed(inputs) and pipeline_head(x) on "
+                      "the model, or pass cut=pt.Cut(layers=..., embed=..., head=...) (parallel/pipeline/cut.py)")
