@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from paratrain import checkpoint
 from paratrain.accumulation import TokenWeights
+from paratrain.batch import unpack
 from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.loader import shard_loader, to_device
 from paratrain.errors import ConfigError, UsageError
@@ -166,20 +167,18 @@ class Session(SessionCheckpoints):
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def train_step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-                   weight: float | torch.Tensor | None = None) -> torch.Tensor:
+    def train_step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                   weight: float | torch.Tensor | str | None = None) -> torch.Tensor:
         """Forward `inputs`, `loss_fn(outputs, targets)`, backward, and — on the last of
         `accumulate` micro-batches — clip and step. Returns the (unscaled) loss, detached.
-        `weight`: what the loss is a mean over (its number of valid tokens); see `backward`."""
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise UsageError(f"train_step takes batch = (inputs, targets); got a {type(batch).__name__}"
-                             f"{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. For "
-                             "other batches write the step: `with session.accumulation(): loss = ...; "
-                             "session.backward(loss)`, then `session.step()`")
-        inputs, targets = to_device(batch, self.device)
+        `batch`: (inputs, targets), or a dict of model inputs whose model computes its own loss
+        when loss_fn is left out (batch.py). `weight`: what the loss is a mean over (its number
+        of valid tokens; "tokens" counts the labels that are not -100); see `backward`."""
+        inputs, targets, loss_fn, weight = unpack(to_device(batch, self.device), loss_fn, weight)
         model = self._require_model()
+        fn = loss_fn or model.default_loss
         def checked(outputs: Any, targets: Any) -> torch.Tensor:  # before backward: a NaN loss stops
-            return self._check_finite(check_loss(loss_fn(outputs, targets)))  # its own rank, not a peer
+            return self._check_finite(check_loss(fn(outputs, targets)))  # its own rank, not a peer
 
         with self.accumulation():
             loss = model.forward_backward(inputs, targets, checked, self._loss_factor(weight))

@@ -20,7 +20,7 @@ LAYERS = [
     {"parallel.base"},
     {"parallel.*"},
     {"strategy"},
-    {"state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step"},
+    {"batch", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step"},
     {"session"},
     {"cli", "testing", "__init__", "__main__"},
 ]

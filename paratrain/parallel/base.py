@@ -17,6 +17,7 @@ never ask which strategy built it, nor probe it for attributes:
     checkpoint_layout()                 what this rank holds, in the checkpoint's terms
     full_state_dict()                   the whole model's state dict, keys the user's (collective)
     supports_token_weights              whether train_step(weight=...) works
+    default_loss(outputs, targets)      the loss when train_step is given none (the model's own)
 
 The defaults below are those of a model every rank holds whole, with gradients that are equal on
 every rank after backward. A `Strategy` is a frozen dataclass of settings whose `setup` builds
@@ -29,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -102,9 +103,21 @@ class ParallelModule(nn.Module):
             self.require_backward_grad_sync = previous
 
     def forward_backward(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
-        loss = check_loss(loss_fn(self(inputs), targets))
+        outputs = self(**inputs) if isinstance(inputs, Mapping) else self(inputs)  # a dict: keyword arguments
+        loss = check_loss(loss_fn(outputs, targets))
         (loss * scale).backward()
         return loss.detach()
+
+    @staticmethod
+    def default_loss(outputs: Any, targets: Any) -> torch.Tensor:
+        """The loss when train_step is given none: the one the model computed (transformers'
+        `outputs.loss`, present when the batch holds labels=)."""
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+        if loss is None:
+            raise UsageError(f"the model returned {type(outputs).__name__} without a loss, and train_step was "
+                             "given no loss_fn: put labels in the batch (transformers computes the loss from "
+                             "labels=), or pass loss_fn(outputs, targets)")
+        return loss
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)

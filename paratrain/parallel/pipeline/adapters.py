@@ -4,17 +4,20 @@ blocks begin and end; tests/test_pipeline_cut.py checks each against the model's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.parallel.pipeline.cut import Cut
 
 
-def _gpt2_embed(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """GPT2Model.forward up to its blocks: token and position embeddings, dropout."""
+def _gpt2_embed(model: nn.Module, inputs: Any) -> torch.Tensor:
+    """GPT2Model.forward up to its blocks: token and position embeddings, dropout. `inputs`: the
+    token ids, or a batch dict holding them (its labels are for the last stage's loss)."""
+    input_ids = inputs["input_ids"] if isinstance(inputs, Mapping) else inputs
     t = model.transformer
     positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
     return t.drop(t.wte(input_ids) + t.wpe(positions))  # (B, T, C)
@@ -32,7 +35,12 @@ def _gpt2_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return model.lm_head(model.transformer.ln_f(hidden))
 
 
-GPT2_CUT = Cut("transformer.h", embed=_gpt2_embed, head=_gpt2_head, block=_gpt2_block)
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss: position t predicts label t+1; labels of -100 are ignored."""
+    return F.cross_entropy(logits[..., :-1, :].flatten(0, -2).float(), labels[..., 1:].flatten(), ignore_index=-100)
+
+
+GPT2_CUT = Cut("transformer.h", embed=_gpt2_embed, head=_gpt2_head, block=_gpt2_block, loss=causal_lm_loss)
 
 
 def known_cut(model: nn.Module) -> Cut | None:

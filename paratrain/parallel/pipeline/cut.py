@@ -52,6 +52,7 @@ class Cut:
     block: Callable[[nn.Module, Any], Any] = call_block  # (block, activation) → activation
     first: tuple[str, ...] = ()  # more parts (dotted names) only the first stage keeps
     last: tuple[str, ...] = ()  # more parts only the last stage keeps
+    loss: Callable[[Any, Any], Any] | None = None  # (head's outputs, targets) → the model's own loss
 
 
 class StageRun:

@@ -18,6 +18,7 @@ from paratrain.parallel.pipeline.partition import boundaries, split_model
 class StagePlan:
     holdings: list[list[nn.Parameter]]  # each stage's parameters, before anything is cut
     build: Callable[[int], tuple[nn.Module, Callable[[Any], Any]]]  # stage → (its module, what it runs)
+    loss: Callable[[Any, Any], Any] | None = None  # the model's own loss on the head's outputs
 
 
 def plan_sequential(model: nn.Module | Sequence[nn.Module], stages: int,
@@ -41,7 +42,8 @@ def plan_cut(model: nn.Module, stages: int, cut: Cut, split_at: Sequence[str] | 
     holdings[0] += held(before)
     holdings[-1] += held(after)
     last = stages - 1
-    return StagePlan(holdings, lambda s: (model, prune(model, cut, spans[s], first=s == 0, last=s == last)))
+    return StagePlan(holdings, lambda s: (model, prune(model, cut, spans[s], first=s == 0, last=s == last)),
+                     cut.loss)
 
 
 def _balanced(blocks: nn.ModuleList, stages: int, balance: str, layers: str) -> list[tuple[int, int]]:

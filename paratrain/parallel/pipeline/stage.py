@@ -66,12 +66,13 @@ class PipelineStage(ParallelModule):
                  microbatches: int, pipe_group: dist.ProcessGroup | None,
                  dp_group: dist.ProcessGroup | None, device: torch.device,
                  run: Callable[[Any], Any] | None = None, tied: TiedWeights | None = None,
-                 names: dict[nn.Parameter, str] | None = None):
+                 names: dict[nn.Parameter, str] | None = None, loss: LossFn | None = None):
         super().__init__()
         self.module = module
         self.run = run or module
         self.tied = tied or TiedWeights()
         self._names = names or {}
+        self._loss = loss  # the model's own loss on the head's outputs (a cut's), if it has one
         self.stage, self.stages, self.microbatches = stage, stages, microbatches
         self.schedule = schedule
         self.pipe_group, self.dp_group = pipe_group, dp_group
@@ -251,6 +252,13 @@ class PipelineStage(ParallelModule):
         whole = CheckpointLayout.whole(self.module, shapes=self.model_shapes())
         params = {self._name(p, n): p for n, p in whole.params.items()}
         return CheckpointLayout(params, {}, False, whole.buffers, whole.shapes)
+
+    def default_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """The last stage's head returns outputs, not the model's loss: the cut's loss, if it has one."""
+        if self._loss is None:
+            raise UsageError("a pipeline's last stage returns the head's outputs, not the model's loss: pass "
+                             "train_step(batch, loss_fn), or give the Cut a loss= (transformers' GPT-2 has one)")
+        return self._loss(outputs, targets)
 
     def _name(self, p: nn.Parameter, local: str) -> str:
         return self._names.get(p, local)

@@ -84,7 +84,8 @@ class Pipeline(Strategy):
         tied_weights.broadcast()
         stage = PipelineStage(module, stage=grid.stage, stages=self.stages, schedule=SCHEDULES[self.schedule],
                               microbatches=self.microbatches, pipe_group=pipe_group, dp_group=dp_group,
-                              device=grid.topology.device, run=run, tied=tied_weights, names=names)
+                              device=grid.topology.device, run=run, tied=tied_weights, names=names,
+                              loss=plan.loss)
         return stage, stage_optimizer(optimizer, module) if optimizer is not None else None
 
     def _plan(self, model: nn.Module) -> StagePlan:

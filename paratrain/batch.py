@@ -1,0 +1,57 @@
+"""What `Session.train_step` accepts as a batch, and what it makes of it.
+
+    (inputs, targets)        with loss_fn(outputs, targets): the plain case
+    {"input_ids": …, …}      a dict or transformers' BatchEncoding: the model is called with it as
+                             keyword arguments; without loss_fn the model computes its own loss
+                             (`outputs.loss`, as transformers' models do when given labels=)
+
+`weight="tokens"` counts the label tokens the loss is a mean over: the targets (or the batch's
+"labels") that are not -100, the ignore index of torch's cross_entropy and of transformers.
+A causal language model that shifts its labels inside (transformers' *ForCausalLM: a batch
+with input_ids and labels of the same shape, and no loss_fn) predicts labels[..., 1:] only,
+so those are counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from paratrain.errors import UsageError
+
+IGNORE_INDEX = -100
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def unpack(batch: Any, loss_fn: LossFn | None, weight: Any) -> tuple[Any, Any, LossFn | None, Any]:
+    """(inputs, targets, loss_fn or None for the model's own loss, weight) of one batch."""
+    if isinstance(batch, Mapping):
+        targets = batch.get("labels")
+        if weight == "tokens":
+            weight = _tokens(targets, shifted=loss_fn is None and _causal_lm(batch))
+        return batch, targets, loss_fn, weight
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise UsageError(f"train_step takes batch = (inputs, targets), or a dict of model inputs; got a "
+                         f"{type(batch).__name__}{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. "
+                         "For other batches write the step: `with session.accumulation(): loss = ...; "
+                         "session.backward(loss)`, then `session.step()`")
+    if loss_fn is None:
+        raise UsageError("train_step((inputs, targets)) needs loss_fn(outputs, targets); only a dict batch "
+                         "(a model that computes its own loss from labels=) may leave it out")
+    inputs, targets = batch
+    return inputs, targets, loss_fn, _tokens(targets, shifted=False) if weight == "tokens" else weight
+
+
+def _causal_lm(batch: Mapping) -> bool:
+    ids, labels = batch.get("input_ids"), batch.get("labels")
+    return torch.is_tensor(ids) and torch.is_tensor(labels) and ids.shape == labels.shape
+
+
+def _tokens(targets: Any, shifted: bool) -> torch.Tensor:
+    if not torch.is_tensor(targets):
+        raise UsageError("weight='tokens' counts label tokens, and this batch has no tensor of labels "
+                         "(targets, or a dict's 'labels'); pass the count itself as weight=")
+    counted = targets[..., 1:] if shifted else targets
+    return (counted != IGNORE_INDEX).sum()
