@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,3 +59,21 @@ def test_readme_pipeline_table_is_the_benchmark_json():
                f"{r['ratio']:.3f} | {max(r['ours_peak_mb']):.1f} | {max(r['torch_peak_mb']):.1f} |")
         assert row in readme
         assert r["ratio"] <= 1.0 and r["max_param_diff"] == 0
+
+
+def test_hf_causal_lm_example_trains_resumes_and_exports_for_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "examples/hf_causal_lm.py", "--strategy", "zero3",
+           "--steps", "40", "--checkpoint-every", "20", "--out", str(tmp_path)]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    losses = re.search(r"loss: first (\d+\.\d+) last (\d+\.\d+)", first.stdout)
+    assert float(losses.group(2)) < float(losses.group(1)) - 0.5  # it learns
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "resumed at optimizer step 40" in again.stdout, again.stderr[-3000:]
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "model")
+    alphabet = "\n" + "".join(chr(c) for c in range(32, 127))  # examples/gpt.py's characters
+    ids = torch.tensor([[alphabet.index(c) for c in "Return the number of items in the list, or None."]])
+    untrained = transformers.GPT2LMHeadModel(model.config)
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=ids).loss < untrained(input_ids=ids, labels=ids).loss - 0.5
