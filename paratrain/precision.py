@@ -47,6 +47,13 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return PRECISIONS[precision]
 
 
+def scaler_for(precision: str, given: "GradScaler | None") -> "GradScaler | None":
+    """The loss scaler a precision needs: fp16's (`given`, or a default one), else none."""
+    if given is not None and precision != "fp16":
+        raise ConfigError(f"grad_scaler is for precision='fp16'; got precision={precision!r}")
+    return (given or GradScaler()) if precision == "fp16" else None
+
+
 class GradScaler:
     """Dynamic loss scaling over gradients that may be split between ranks (see the module doc).
 

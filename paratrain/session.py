@@ -27,21 +27,22 @@ from torch.utils.data import DataLoader
 from paratrain import checkpoint
 from paratrain.accumulation import TokenWeights
 from paratrain.batch import unpack
-from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.loader import shard_loader, to_device
 from paratrain.errors import ConfigError, UsageError
 from paratrain.metrics import MetricsLogger
 from paratrain.optim import Given, describe, retire_replaced
-from paratrain.parallel.base import ParallelModule, Strategy, check_loss, full_state_dict, uncompiled
-from paratrain.precision import GradScaler, autocast_dtype
+from paratrain.parallel.base import ParallelModule, Strategy, check_loss
+from paratrain.preemption import Preemption
+from paratrain.precision import GradScaler, autocast_dtype, scaler_for
 from paratrain.progress import progress
 from paratrain.resume import SessionCheckpoints, note_micro_step, position
+from paratrain.session_facts import JobFacts
 from paratrain.step import check_finite_loss, optimizer_step
 from paratrain.strategy import resolve
 from paratrain.topology import Topology, destroy
 
 
-class Session(SessionCheckpoints):
+class Session(JobFacts, SessionCheckpoints):
     """Strategy, accumulation, clipping, progress and rank-0 printing for one training job.
 
     strategy: a name ("single", "dp", "ddp", "hierarchical", "zero1", "zero2", "zero3",
@@ -62,19 +63,20 @@ class Session(SessionCheckpoints):
     debug_collectives: check that every rank issues the same collective, and fail naming both when
         they differ (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL; default PARATRAIN_DEBUG_COLLECTIVES).
     topology: where this process sits; read from the environment when not given.
+    checkpoint_on_preempt: a checkpoint root: on SIGTERM or SIGUSR1 every rank finishes the
+        optimizer step, checkpoints there and exits 0, for a requeued job to resume (preemption.py).
     """
 
     def __init__(self, strategy: str | Strategy = "ddp", *, accumulate: int = 1,
                  max_grad_norm: float | None = None, seed: int = 0, timeout: float | None = None,
                  topology: Topology | None = None, progress_bar: bool = True, nan_check: bool = True,
                  log_dir: str | os.PathLike | None = None, debug_collectives: bool | None = None,
-                 precision: str = "32", grad_scaler: GradScaler | None = None):
+                 precision: str = "32", grad_scaler: GradScaler | None = None,
+                 checkpoint_on_preempt: str | os.PathLike | None = None):
         if accumulate < 1:
             raise ConfigError(f"accumulate must be at least 1; got {accumulate}")
         self.precision, self.autocast_dtype = precision, autocast_dtype(precision)
-        if grad_scaler is not None and precision != "fp16":
-            raise ConfigError(f"grad_scaler is for precision='fp16'; got precision={precision!r}")
-        self.scaler = (grad_scaler or GradScaler()) if precision == "fp16" else None
+        self.scaler = scaler_for(precision, grad_scaler)
         self._weights = TokenWeights()  # token weights of this accumulation window
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be a positive norm to clip to; got {max_grad_norm} "
@@ -96,19 +98,8 @@ class Session(SessionCheckpoints):
         self._in_micro_batch = False  # an accumulation() block was entered, step() not yet called
         self.given = Given(0, 0, None)  # the model and optimizer given to setup(), as given
         self.step_boundary: dict | None = None  # the loop at the last optimizer step (resume.py)
+        self.preemption = Preemption(str(checkpoint_on_preempt)) if checkpoint_on_preempt else None
         torch.manual_seed(seed)
-
-    # -- facts about the job -------------------------------------------------------------------
-
-    rank = property(lambda self: self.topology.rank)  # global rank
-    world_size = property(lambda self: self.topology.world_size)
-    device = property(lambda self: self.topology.device)  # this rank's device
-    is_main = property(lambda self: self.topology.is_main)  # global rank 0
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """`print` on global rank 0 only."""
-        if self.is_main:
-            print(*args, **kwargs, flush=True)
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -134,36 +125,6 @@ class Session(SessionCheckpoints):
                                rank=self.rank, pin_memory=self.device.type == "cuda")
         model.check_loader(sharded)
         return sharded
-
-    def unwrap(self, model: nn.Module | None = None) -> nn.Module:
-        """The user's own model inside the strategy's wrapper (for evaluation, export). Under
-        ZeRO stage 3 its parameters are gathered only inside the wrapper's forward: evaluate
-        through the wrapped model, or load `full_state_dict()` into a fresh copy."""
-        model = model or self._require_model()
-        return uncompiled(model.module if isinstance(model, ParallelModule) else model)
-
-    def gather_embeddings(self, x: torch.Tensor, scope: str = "world") -> Gathered:
-        """Every rank's rows of `x` ("world"), this node's ranks' ("node") or this rank's own
-        ("local"), differentiable: gradients go back to each row's rank. For contrastive losses
-        with negatives from every rank: `pt.nt_xent_loss(z1, z2, gather=session.gather_embeddings)`.
-        A collective: every rank calls it."""
-        groups = self.grid.node_groups() if scope == "node" else None  # built on first use
-        return gather_embeddings(x, scope=scope, groups=groups)
-
-    def num_parameters(self, trainable_only: bool = False) -> int:
-        """Parameters of the whole model given to setup() (tied weights once), whatever part of it
-        this rank holds: what model-size and MFU arithmetic needs, also under ZeRO-3 and pipelines."""
-        return self.given.trainable if trainable_only else self.given.parameters
-
-    @property
-    def rank_seed(self) -> int:
-        """A seed that differs between ranks, for code that must draw differently on each (its own
-        batch sampling); `Session(seed=...)` seeds torch alike on every rank."""
-        return self.seed * 100_003 + 1 + self.rank
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict with its own keys, on every rank (a collective)."""
-        return full_state_dict(self._require_model())
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -269,20 +230,12 @@ class Session(SessionCheckpoints):
         are iterated as they are."""
         return progress(self, loader, desc)
 
-    def log(self, step: int | None = None, **metrics: Any) -> dict[str, float]:
-        """Average scalar `metrics` over ranks and append them as one row of `log_dir/metrics.csv`
-        on rank 0 (paratrain/metrics.py). `step` defaults to the optimizer steps taken. A
-        collective: every rank calls it with the same names. Returns the means."""
-        if self.metrics is None:
-            raise UsageError("log() writes to Session(log_dir=...), and this session has none; pass "
-                             "log_dir, or average without writing with paratrain.comm.mean_metrics")
-        step = self.micro_step // self.accumulate if step is None else step
-        return self.metrics.log(step, **metrics)
-
     def close(self) -> None:
         """Close the metrics files, release the checkpoint root's lock, tear down the process group."""
         if self.metrics is not None:
             self.metrics.close()
+        if self.preemption is not None:
+            self.preemption.restore()
         checkpoint.unlock_roots(owner=self)
         destroy()
 

@@ -20,8 +20,8 @@ LAYERS = [
     {"parallel.base"},
     {"parallel.*"},
     {"strategy"},
-    {"batch", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step"},
-    {"session"},
+    {"batch", "preemption", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step"},
+    {"session_facts", "session"},
     {"cli", "testing", "__init__", "__main__"},
 ]
 
