@@ -29,6 +29,10 @@ def unpack(batch: Any, loss_fn: LossFn | None, weight: Any) -> tuple[Any, Any, L
     """(inputs, targets, loss_fn or None for the model's own loss, weight) of one batch."""
     if isinstance(batch, Mapping):
         targets = batch.get("labels")
+        if loss_fn is not None and targets is None:
+            raise UsageError(f"a dict batch gives loss_fn(outputs, targets) its 'labels' as the targets, and this "
+                             f"one has none (keys {sorted(batch)}); add them, or leave loss_fn out for a model "
+                             "that computes its own loss")
         if weight == "tokens":
             weight = _tokens(targets, shifted=loss_fn is None and _causal_lm(batch))
         return batch, targets, loss_fn, weight

@@ -104,7 +104,9 @@ def test_train_step_names_the_batch_it_expects():
     session = pt.Session("single", progress_bar=False)
     try:
         session.setup(make_model("mlp"), None)
-        with pytest.raises(pt.UsageError, match="batch = \\(inputs, targets\\); got a dict"):
+        with pytest.raises(pt.UsageError, match="batch = \\(inputs, targets\\), or a dict of model inputs; got a tuple of 3"):
+            session.train_step((torch.zeros(2, 12),) * 3, F.cross_entropy)
+        with pytest.raises(pt.UsageError, match="gives loss_fn\\(outputs, targets\\) its 'labels'.*keys \\['x'\\]"):
             session.train_step({"x": torch.zeros(2, 12)}, F.cross_entropy)
     finally:
         session.close()
