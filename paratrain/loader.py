@@ -1,6 +1,25 @@
 """The loader a Session trains from: the user's loader rebuilt so each data-parallel replica
 reads its share of every global batch, counting what it handed out and what was trained on (so
-a checkpoint records the right position), and moving batches to the device."""
+a checkpoint records the right position), and moving batches to the device.
+
+Three kinds of loader, each sharded by its own rule (every replica takes the same number of
+steps, so no rank waits in a collective for one that ran out):
+
+    DataLoader(dataset, batch_size=B)       a DistributedSampler: each replica reads B / replicas
+                                            samples of every global batch (data.py)
+    DataLoader(dataset, batch_sampler=S)    each global batch S yields is cut into `replicas`
+                                            equal, consecutive parts; replica r takes part r.
+                                            S must yield the same batches on every rank
+                                            (checked on each pass's first batch)
+    DataLoader(iterable_dataset, batch_size=B)  the stream, read whole by every replica (and every
+                                            loader worker), is cut into rows of `replicas` items:
+                                            replica r keeps the row's r-th item; loader worker w
+                                            of W makes batches w, w+W, …; a last, incomplete row
+                                            is dropped, so the shares are equal
+
+Resuming: the first kind records the sampler's position; the other two the number of batches
+whose optimizer step completed in the pass, which the next pass skips.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +27,10 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, get_worker_info
 
 from paratrain.data import DistributedSampler
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, UsageError
 
 
 class ShardedLoader(DataLoader):
@@ -30,6 +49,8 @@ class ShardedLoader(DataLoader):
         self.delivered = self.trained = self.stepped = 0
         for batch in super().__iter__():
             self.delivered += 1
+            if self.delivered == 1 and isinstance(self.dataset, ShardedStream):
+                self.dataset.skip = 0  # taken by the pass (and by the workers' copies) by now
             yield batch
 
     def count_trained(self, optimizer_stepped: bool) -> None:
@@ -39,8 +60,100 @@ class ShardedLoader(DataLoader):
             self.stepped = self.trained
 
     def position(self) -> dict:
-        """The sampler's state counting the batches whose optimizer step completed."""
-        return self.sampler.state_dict(per_replica_samples=self.stepped * self.batch_size)
+        """Where this pass stands, counting the batches whose optimizer step completed."""
+        if isinstance(self.sampler, DistributedSampler):
+            return self.sampler.state_dict(per_replica_samples=self.stepped * self.batch_size)
+        return {"kind": "batches", "batches": self.stepped}
+
+    def load_position(self, state: dict) -> None:
+        """Make the next pass start where `position()` said this one stood."""
+        if isinstance(self.sampler, DistributedSampler):
+            self.sampler.load_state_dict(state)
+        elif state.get("kind") == "batches":
+            self._share().skip = int(state["batches"])
+        else:
+            raise ConfigError("the checkpoint's data position is a sampler's, and this loader reads a batch "
+                              "sampler or a stream: resume with the loader the saving run used")
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch the next pass reads (the sampler's shuffle, or the user's own set_epoch)."""
+        for owner in (self.sampler, getattr(self.batch_sampler, "batch_sampler", None), self.dataset):
+            if hasattr(owner, "set_epoch"):
+                owner.set_epoch(epoch)
+                return
+
+    def _share(self) -> "ShardedBatches | ShardedStream":
+        return self.dataset if isinstance(self.dataset, ShardedStream) else self.batch_sampler
+
+
+class ShardedBatches:
+    """Replica `index`'s part of every global batch a user's batch sampler yields."""
+
+    def __init__(self, batch_sampler: Any, replicas: int, index: int):
+        self.batch_sampler, self.replicas, self.index, self.skip = batch_sampler, replicas, index, 0
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        for number, batch in enumerate(self.batch_sampler):
+            batch = list(batch)
+            if number == skip:
+                _same_everywhere(batch)
+            if number < skip:
+                continue
+            if len(batch) % self.replicas:
+                raise UsageError(f"the batch sampler gave a global batch of {len(batch)} samples, which does not "
+                                 f"cut into {self.replicas} equal parts, one per data-parallel replica: make its "
+                                 f"batches multiples of {self.replicas}")
+            part = len(batch) // self.replicas
+            yield batch[self.index * part:(self.index + 1) * part]
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+class ShardedStream(IterableDataset):
+    """Replica `index`'s share of an iterable dataset, split again between loader workers."""
+
+    def __init__(self, dataset: IterableDataset, replicas: int, index: int, batch_size: int):
+        self.dataset, self.replicas, self.index, self.batch_size, self.skip = dataset, replicas, index, batch_size, 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        # batch b is this replica's rows b·B … (b+1)·B-1. The loader hands out its workers'
+        # batches in turn, so worker w makes the batches b of this pass with b ≡ w (mod W): the
+        # pass yields them in stream order, also when it resumes after `skip` trained batches
+        for row, mine in enumerate(self._rows()):
+            batch = row // self.batch_size - self.skip
+            if batch >= 0 and batch % workers == worker:
+                yield mine
+
+    def _rows(self):
+        """This replica's item of each complete row of `replicas` items of the stream."""
+        row: list[Any] = []
+        for item in self.dataset:
+            row.append(item)
+            if len(row) == self.replicas:
+                yield row[self.index]
+                row = []
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+
+def _same_everywhere(batch: list[int]) -> None:
+    """Every rank must cut the same global batches: compare the pass's first one (a collective)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, batch)
+    if any(other != everyone[0] for other in everyone):
+        raise UsageError("the batch sampler gave different global batches on different ranks, so replicas "
+                         "would train on overlapping data: give its sampler a generator seeded alike on "
+                         "every rank (e.g. torch.Generator().manual_seed(seed)), or use batch_size=")
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -53,13 +166,24 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def shard_loader(loader: DataLoader, *, replicas: int, index: int, seed: int, rank: int,
                  pin_memory: bool = False) -> DataLoader:
-    """`loader` rebuilt to read replica `index`'s share: its `batch_size` is the global batch, each
-    of `replicas` gets batch_size / replicas per step, from a `DistributedSampler` that shuffles
-    when the loader did."""
+    """`loader` rebuilt to read replica `index`'s share (module docstring): its `batch_size` is the
+    global batch, each of `replicas` gets batch_size / replicas per step, from a
+    `DistributedSampler` that shuffles when the loader did; or a batch sampler's batches, or a
+    stream, cut the same way."""
+    generator = torch.Generator().manual_seed(seed + rank)
+    options = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, generator=generator,
+                   pin_memory=loader.pin_memory or pin_memory, timeout=loader.timeout,
+                   worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers)
     batch = loader.batch_size
+    if isinstance(loader.dataset, IterableDataset):
+        if batch is None or batch % replicas:
+            raise ConfigError(f"a loader over an IterableDataset needs a batch_size (the global batch) that the "
+                              f"{replicas} data-parallel replicas divide; got {batch}")
+        stream = ShardedStream(loader.dataset, replicas, index, batch // replicas)
+        return ShardedLoader(stream, batch_size=batch // replicas, drop_last=loader.drop_last, **options)
     if batch is None:
-        raise ConfigError("the loader has no batch_size (it uses a batch_sampler): build it "
-                          "with DataLoader(dataset, batch_size=GLOBAL_BATCH, shuffle=...)")
+        return ShardedLoader(loader.dataset, batch_sampler=ShardedBatches(loader.batch_sampler, replicas, index),
+                             **options)
     if batch < replicas or batch % replicas:
         raise ConfigError(f"the global batch size {batch} must be a multiple of the "
                           f"{replicas} data-parallel replicas; use a batch size of "
@@ -69,9 +193,5 @@ def shard_loader(loader: DataLoader, *, replicas: int, index: int, seed: int, ra
                                  seed=seed, drop_last=loader.drop_last)
     # its own generator: starting an iterator draws the workers' base seed from it, and from
     # torch's global RNG without one, which would shift dropout masks after a resume
-    generator = torch.Generator().manual_seed(seed + rank)
-    return ShardedLoader(loader.dataset, batch_size=batch // replicas, sampler=sampler, generator=generator,
-                      num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                      pin_memory=loader.pin_memory or pin_memory, drop_last=loader.drop_last,
-                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                      persistent_workers=loader.persistent_workers)
+    return ShardedLoader(loader.dataset, batch_size=batch // replicas, sampler=sampler,
+                         drop_last=loader.drop_last, **options)

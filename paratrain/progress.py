@@ -10,7 +10,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
-from paratrain.data import DistributedSampler
+from paratrain.loader import ShardedLoader
 
 if TYPE_CHECKING:
     from paratrain.session import Session
@@ -19,11 +19,13 @@ if TYPE_CHECKING:
 def progress(session: "Session", loader: Iterable, desc: str | None = None) -> Iterator[Any]:
     """Iterate `loader` once with a bar on rank 0 (see `Session.progress`)."""
     training = loader is session.loader
-    sampler = getattr(loader, "sampler", None)  # a loader of the user's own may have none
-    if training and isinstance(sampler, DistributedSampler):
-        sampler.set_epoch(session.epoch)
+    if training and isinstance(loader, ShardedLoader):
+        loader.set_epoch(session.epoch)
     replicas = session.model.replicas if session.model is not None else 1
-    total = len(loader) if hasattr(loader, "__len__") else None
+    try:
+        total = len(loader)  # type: ignore[arg-type]
+    except TypeError:  # a stream, or a loader of the user's own without a length
+        total = None
     bar = tqdm(total=total, desc=desc or f"epoch {session.epoch}", leave=False, mininterval=0.5,
                disable=not (session.is_main and session.progress_bar), dynamic_ncols=True)
     samples, start = 0, time.perf_counter()

@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 from paratrain import checkpoint, checkpoint_files
 from paratrain.comm import group_device
-from paratrain.data import DistributedSampler
 from paratrain.loader import ShardedLoader
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.parallel.base import ParallelModule, full_state_dict
@@ -208,9 +207,8 @@ def restore_session(session: "Session", loaded: dict, path: Any) -> None:
     session.epoch, session.micro_step = state.get("epoch", 0), state.get("micro_step", 0)
     if session.scaler is not None and state.get("scaler"):
         session.scaler.load_state_dict(state["scaler"])
-    sampler = session.loader.sampler if session.loader is not None else None
-    if state.get("sampler") and isinstance(sampler, DistributedSampler):
-        sampler.load_state_dict(state["sampler"])
+    if state.get("sampler") and isinstance(session.loader, ShardedLoader):
+        session.loader.load_position(state["sampler"])
     for name, obj in session.registered.items():
         obj.load_state_dict(state["objects"][name])
     if loaded["rng"]:

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
 from paratrain.testing import RankFailure, run_on_ranks
@@ -43,11 +43,14 @@ def _setup_twice(session, tmp_path):
     session.setup(model, optimizer)
 
 
-def _loader_without_batch_size(session, tmp_path):
-    dataset = _dataset()
-    loader = DataLoader(dataset, batch_sampler=BatchSampler(SequentialSampler(dataset), 4, False))
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+
+def _stream_without_batch_size(session, tmp_path):
     model = make_model("mlp")
-    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_Stream(), batch_size=None))
 
 
 def _scheduler_before_setup(session, tmp_path):
@@ -106,8 +109,8 @@ def _load_without_a_registered_object(session, tmp_path):
 
 SESSION_CASES = [  # (case, Session arguments, what the user does, error, message)
     ("setup twice", {}, _setup_twice, pt.UsageError, "setup\\(\\) was already called"),
-    ("loader without batch_size", {}, _loader_without_batch_size, pt.ConfigError,
-     "the loader has no batch_size .*batch_size=GLOBAL_BATCH"),
+    ("stream without batch_size", {}, _stream_without_batch_size, pt.ConfigError,
+     "a loader over an IterableDataset needs a batch_size"),
     ("scheduler before setup", dict(strategy="zero1"), _scheduler_before_setup, pt.ConfigError,
      "scheduler was created on the optimizer before setup\\(\\), but zero1 replaces"),
     ("step without optimizer", {}, _step_without_optimizer, pt.UsageError,

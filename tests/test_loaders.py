@@ -1,0 +1,114 @@
+"""Loaders beyond a map-style dataset with a batch size: a batch sampler's global batches, and
+streams (IterableDataset), each cut into equal, disjoint shares that cover the data, resumable."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
+
+import paratrain as pt
+import paratrain.loader as loader_module
+from paratrain.loader import ShardedStream, shard_loader
+from paratrain.testing import RankFailure, max_param_diff, run_on_ranks
+
+N = 50  # items: not a multiple of the replicas, so a last incomplete row exists
+
+
+class Stream(IterableDataset):
+    """Items 0 … N-1 as (features, label), the whole stream on every call."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(4)
+        for i in range(N):
+            yield torch.randn(6, generator=g) + i % 3, torch.tensor(i % 3), torch.tensor(i)
+
+
+def _as_worker(monkeypatch, worker, workers):
+    info = None if workers == 1 else type("Info", (), {"id": worker, "num_workers": workers})()
+    monkeypatch.setattr(loader_module, "get_worker_info", lambda: info)
+
+
+@pytest.mark.parametrize("replicas,workers", [(2, 1), (3, 1), (3, 2)])
+def test_a_stream_is_cut_into_equal_disjoint_shares_that_cover_it(monkeypatch, replicas, workers):
+    shares = []
+    for replica in range(replicas):
+        mine = []
+        for worker in range(workers):
+            _as_worker(monkeypatch, worker, workers)
+            mine += [int(i) for _, _, i in ShardedStream(Stream(), replicas, replica, batch_size=2)]
+        shares.append(sorted(mine))
+    assert len({len(s) for s in shares}) == 1  # every replica takes as many steps
+    taken = sorted(i for s in shares for i in s)
+    assert taken == list(range(N // replicas * replicas))  # disjoint, and all but the incomplete last row
+
+
+@pytest.mark.parametrize("workers,skip", [(1, 3), (2, 3), (2, 4)])
+def test_a_stream_resumed_skips_exactly_the_batches_trained(monkeypatch, workers, skip):
+    """The loader hands out the workers' batches in turn; a resumed pass must start at batch
+    `skip` of that order."""
+    def in_order(skip):
+        per_worker = []
+        for worker in range(workers):
+            _as_worker(monkeypatch, worker, workers)
+            stream = ShardedStream(Stream(), 2, 0, batch_size=2)
+            stream.skip = skip
+            items = [int(i) for _, _, i in stream]
+            per_worker.append([items[j:j + 2] for j in range(0, len(items), 2)])
+        return [b for turn in zip(*per_worker) for b in turn]  # the loader's round robin
+    assert in_order(skip)[:3] == in_order(0)[skip:skip + 3]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _train_stream(topo, root, stop_after):
+    """Two epochs over the stream, global batch 4; checkpoint after `stop_after` steps and resume."""
+    states = []
+    for attempt in ("first", "resumed") if stop_after else ("only",):
+        session = pt.Session("ddp", topology=topo, progress_bar=False)
+        model = _model()
+        model, _, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         DataLoader(Stream(), batch_size=4))
+        if attempt == "resumed":
+            assert session.resume(root)
+        done = False
+        for _ in range(session.epoch, 2):
+            for x, y, _ in session.progress(loader):
+                session.train_step((x, y), F.cross_entropy)
+                if attempt == "first" and session.micro_step == stop_after:
+                    session.checkpoint(root)
+                    done = True
+                    break
+            if done:
+                break
+        states.append(session.full_state_dict())
+    return states[-1]
+
+
+def test_training_on_a_stream_resumes_mid_epoch_bitwise(tmp_path):
+    whole = run_on_ranks(_train_stream, 2, str(tmp_path / "a"), 0)
+    resumed = run_on_ranks(_train_stream, 2, str(tmp_path / "b"), 7)
+    assert max_param_diff(whole[0], resumed[0]) == 0 and max_param_diff(resumed[0], resumed[1]) == 0
+
+
+def _batch_sampler_shares(topo, seeded):
+    data = TensorDataset(torch.arange(40))
+    generator = torch.Generator().manual_seed(1) if seeded else None
+    if not seeded:
+        torch.manual_seed(topo.rank)  # each rank's own global RNG: each draws other batches
+    sampler = BatchSampler(RandomSampler(data, generator=generator), batch_size=8, drop_last=False)
+    loader = shard_loader(DataLoader(data, batch_sampler=sampler), replicas=2, index=topo.rank, seed=0, rank=topo.rank)
+    return [b[0].tolist() for b in loader]
+
+
+def test_a_batch_sampler_is_cut_batch_by_batch_and_must_agree_across_ranks():
+    mine, theirs = run_on_ranks(_batch_sampler_shares, 2, True)
+    assert len(mine) == len(theirs) == 5
+    for a, b in zip(mine, theirs):
+        assert len(a) == len(b) == 4 and not set(a) & set(b)
+    assert sorted(i for batch in mine + theirs for i in batch) == list(range(40))
+    with pytest.raises(RankFailure, match="different global batches on different ranks"):
+        run_on_ranks(_batch_sampler_shares, 2, False, timeout=60)
