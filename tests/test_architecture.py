@@ -22,7 +22,7 @@ LAYERS = [
     {"strategy"},
     {"batch", "preemption", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step"},
     {"session_facts", "session"},
-    {"cli", "testing", "__init__", "__main__"},
+    {"launch", "envinfo", "cli", "testing", "__init__", "__main__"},
 ]
 
 

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from paratrain import cli
+from paratrain import cli, launch
 from paratrain.topology import free_port
 
 # One worker script for every job; the mode (second argument) picks how it behaves. Each rank
@@ -154,13 +155,18 @@ def test_env_under_run_prints_every_rank(tmp_path):
     proc = paratrain("run", "-n", "2", "--timeout", "7", "--backend", "gloo", "-m", "paratrain", "env",
                      cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(proc.stdout.strip().splitlines())
-    assert len(lines) == 2
-    for rank, line in enumerate(lines):
+    lines = proc.stdout.strip().splitlines()
+    places = sorted(line for line in lines if " rank=" in line)
+    assert len(places) == 2
+    for rank, line in enumerate(places):
         assert line.startswith(f"[rank {rank}] rank={rank} local_rank={rank} world_size=2 ")
         for field in ("backend=gloo", "launcher=torchrun", "timeout=7s", "intra_node_ranks=0,1",
                       f"inter_node_ranks={rank}"):
             assert field in line
+    # the node's software once, from its local rank 0, as `accelerate env` shows it
+    software = [line for line in lines if " torch=" in line]
+    assert len(software) == 1 and software[0].startswith("[rank 0] python=")
+    assert f"torch={torch.__version__}" in software[0] and "cuda_available=False gpus=none" in software[0]
 
 
 def test_two_nodes_on_loopback_form_one_world(job):
@@ -228,4 +234,38 @@ def test_version_from_the_console_script(tmp_path):
       "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500", "-m", "pkg.train"]),
 ])
 def test_torchrun_command_line(argv, expected):
-    assert cli.torchrun_argv(cli.build_parser().parse_args(argv)) == expected
+    assert launch.torchrun_argv(cli.build_parser().parse_args(argv)) == expected
+
+
+def test_two_nodes_meet_at_a_c10d_rendezvous_on_loopback(job):
+    """torchrun's dynamic rendezvous, passed through: the nodes join at an endpoint under an id
+    and get their node ranks there (no --node-rank, no --master-addr)."""
+    cwd, out = job
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [start("run", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                   "--rdzv-id", "loopback", "--log-dir", str(cwd / f"logs{node}"), "-n", "1", "worker.py",
+                   str(out), "ok", cwd=cwd) for node in (0, 1)]
+    for proc in [finish(p, timeout=120) for p in nodes]:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted((s["rank"], s["nodes"], s["sum"]) for s in results(out, 2)) == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert list((cwd / "logs0").iterdir())  # --log-dir reached torchrun
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["run", "--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "--tee", "3",
+      "--local-addr", "10.0.0.2", "t.py"],
+     ["--nproc-per-node", "1", "--max-restarts", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
+      "--rdzv-id", "paratrain", "--nnodes", "1:4", "--tee", "3", "--local-addr", "10.0.0.2", "t.py"]),
+])
+def test_torchrun_flags_pass_through(argv, expected):
+    assert launch.torchrun_argv(cli.build_parser().parse_args(argv)) == expected
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "--nnodes", "1:4", "x.py"], "needs a dynamic rendezvous"),
+    (["run", "--nnodes", "2", "--rdzv-backend", "c10d", "x.py"], "needs --rdzv-endpoint"),
+    (["run", "--nnodes", "a:b", "x.py"], "--nnodes takes a number of nodes or MIN:MAX"),
+])
+def test_bad_rendezvous_flags(argv, message, tmp_path):
+    proc = paratrain(*argv, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr

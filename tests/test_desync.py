@@ -11,8 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import paratrain as pt
-from paratrain.cli import _export_env, build_parser
+from paratrain.cli import build_parser
 from paratrain.comm import broadcast_object
+from paratrain.launch import export_env
 from paratrain.testing import RankFailure, run_on_ranks
 from paratrain.topology import debug_collectives_requested, destroy, free_port
 from models import make_batches, make_model
@@ -86,6 +87,6 @@ def test_paratrain_run_debug_collectives_flag_reaches_the_workers(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != "PARATRAIN_DEBUG_COLLECTIVES"}
     monkeypatch.setattr(os, "environ", env)
     args = build_parser().parse_args(["run", "-n", "2", "--debug-collectives", "train.py"])
-    _export_env(args)  # the launcher's environment, which the elastic agent hands every worker
+    export_env(args)  # the launcher's environment, which the elastic agent hands every worker
     assert os.environ["PARATRAIN_DEBUG_COLLECTIVES"] == "1"
     assert debug_collectives_requested(None) and not debug_collectives_requested(False)
