@@ -11,6 +11,7 @@ from paratrain import worker
 
 worker.attach()  # first, before torch loads: under `paratrain run`, die with the launcher, leave notes
 
+from paratrain.autolog import Logging  # noqa: E402
 from paratrain.comm import all_gather_with_grad, broadcast_object, mean_metrics  # noqa: E402
 from paratrain.contrastive import Gathered, gather_embeddings, nt_xent_loss
 from paratrain.data import DistributedSampler, partition
@@ -47,6 +48,6 @@ __all__ = [
     "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel", "LayersOnDevices",
     "PipelineStage",
     "shard", "full_state_dict", "WrapPolicy",
-    "GradScaler", "MetricsLogger",
+    "GradScaler", "MetricsLogger", "Logging",
     "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
 ]

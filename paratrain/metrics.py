@@ -6,7 +6,8 @@
 
 Each call is a collective: the metrics are mean-reduced over the ranks in one all-reduce
 (`comm.mean_metrics`), then rank 0 appends a row `step, <metric>, ...` to `log_dir/metrics.csv`
-and, when TensorBoard is installed, writes the same scalars to an event file in `log_dir`.
+and writes the same scalars to the other backends asked for (sinks.py: TensorBoard, used when
+installed; Weights & Biases; MLflow).
 A metric that appears in a later call (a validation loss logged once per epoch) adds a column:
 the file is rewritten once with the wider header, and rows without a value leave it empty.
 A resumed run appends to the same file.
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.comm import mean_metrics
-from paratrain.errors import ConfigError, UsageError
+from paratrain.errors import UsageError
+from paratrain.sinks import open_sinks
 
 CSV_NAME = "metrics.csv"
 
@@ -28,18 +30,20 @@ CSV_NAME = "metrics.csv"
 class MetricsLogger:
     """Mean-reduce scalar metrics over ranks and record them on the main rank.
 
-    log_dir: directory of `metrics.csv` (and TensorBoard's event files); created on the main rank.
+    log_dir: directory of `metrics.csv` (and the backends' files); created on the main rank.
     is_main: whether this process writes (global rank 0); every rank still takes part in the mean.
     tensorboard: True requires TensorBoard, False never uses it, None uses it when installed.
+    backends: the other places rows go: "tensorboard", "wandb", "mlflow" (sinks.py).
+    project: the W&B project, or MLflow experiment.
     group: the process group to average over (default: the whole job).
     """
 
     def __init__(self, log_dir: str | os.PathLike, *, is_main: bool, tensorboard: bool | None = None,
-                 group=None):
+                 backends: tuple[str, ...] = ("tensorboard",), project: str = "paratrain", group=None):
         self.log_dir, self.is_main, self.group = Path(log_dir), is_main, group
         self.path = self.log_dir / CSV_NAME
         self.columns: list[str] | None = None  # the CSV header, read on first write
-        self._writer = _summary_writer(self.log_dir, tensorboard) if is_main else None
+        self._sinks = open_sinks(self.log_dir, tuple(backends), project, tensorboard) if is_main else []
 
     def log(self, step: int, /, **metrics: Any) -> dict[str, float]:
         """Average `metrics` (floats or one-element tensors) over ranks and record them under
@@ -51,15 +55,14 @@ class MetricsLogger:
         means = mean_metrics(metrics, group=self.group) if _distributed() else _floats(metrics)
         if self.is_main:
             self._append({"step": step, **means})
-            if self._writer is not None:
-                for name, value in means.items():
-                    self._writer.add_scalar(name, value, step)
+            for sink in self._sinks:
+                sink.write(step, means)
         return means
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
     def _append(self, row: dict[str, Any]) -> None:
         if self.columns is None:
@@ -106,16 +109,3 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-def _summary_writer(log_dir: Path, wanted: bool | None):
-    if wanted is False:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # torch.utils.tensorboard imports the tensorboard package
-        if wanted:
-            raise ConfigError("tensorboard=True needs the tensorboard package: pip install tensorboard "
-                              "(metrics.csv is written without it)") from None
-        return None
-    return SummaryWriter(str(log_dir))

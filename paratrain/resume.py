@@ -41,7 +41,6 @@ from paratrain.comm import group_device
 from paratrain.loader import ShardedLoader
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.parallel.base import ParallelModule, full_state_dict
-from paratrain.preemption import after_optimizer_step
 from paratrain.state_layout import layout_of
 
 if TYPE_CHECKING:
@@ -172,8 +171,6 @@ def note_micro_step(session: "Session", optimizer_step: bool) -> None:
         session.loader.count_trained(optimizer_stepped=optimizer_step)
     if optimizer_step and session.accumulate > 1:
         session.step_boundary = position(session)
-    if optimizer_step:
-        after_optimizer_step(session, session.preemption)  # may checkpoint and exit (preemption.py)
 
 
 def session_state(session: "Session") -> tuple[dict, dict]:

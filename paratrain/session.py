@@ -29,10 +29,11 @@ from paratrain.accumulation import TokenWeights
 from paratrain.batch import unpack
 from paratrain.loader import shard_loader, to_device
 from paratrain.errors import ConfigError, UsageError
+from paratrain.autolog import Logging, StepMeter
 from paratrain.metrics import MetricsLogger
 from paratrain.optim import Given, describe, retire_replaced
 from paratrain.parallel.base import ParallelModule, Strategy, check_loss
-from paratrain.preemption import Preemption
+from paratrain.preemption import Preemption, after_optimizer_step
 from paratrain.precision import GradScaler, autocast_dtype, scaler_for
 from paratrain.progress import progress
 from paratrain.resume import SessionCheckpoints, note_micro_step, position
@@ -60,6 +61,8 @@ class Session(JobFacts, SessionCheckpoints):
     nan_check: raise when a micro-batch's loss is NaN or infinite, before the optimizer steps (one
         host-device sync per micro-batch on GPU, as the progress bar's loss display already costs).
     log_dir: where `log()` writes metrics.csv (and TensorBoard events when it is installed).
+    logging: what the session logs there by itself, and to which backends (autolog.Logging:
+        every 10 optimizer steps loss, lr, grad norm, fp16 scale, samples/tokens per second, MFU).
     debug_collectives: check that every rank issues the same collective, and fail naming both when
         they differ (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL; default PARATRAIN_DEBUG_COLLECTIVES).
     topology: where this process sits; read from the environment when not given.
@@ -72,7 +75,7 @@ class Session(JobFacts, SessionCheckpoints):
                  topology: Topology | None = None, progress_bar: bool = True, nan_check: bool = True,
                  log_dir: str | os.PathLike | None = None, debug_collectives: bool | None = None,
                  precision: str = "32", grad_scaler: GradScaler | None = None,
-                 checkpoint_on_preempt: str | os.PathLike | None = None):
+                 checkpoint_on_preempt: str | os.PathLike | None = None, logging: Logging | None = None):
         if accumulate < 1:
             raise ConfigError(f"accumulate must be at least 1; got {accumulate}")
         self.precision, self.autocast_dtype = precision, autocast_dtype(precision)
@@ -86,7 +89,7 @@ class Session(JobFacts, SessionCheckpoints):
         self.topology = (topology or Topology.from_env()).init(timeout, debug_collectives=debug_collectives)
         self.grid = self.strategy.grid(self.topology)  # every process group comes from it (grid.py)
         self.progress_bar, self.nan_check = progress_bar, nan_check
-        self.metrics = MetricsLogger(log_dir, is_main=self.is_main) if log_dir is not None else None
+        self.metrics, self.meter = open_metrics(log_dir, logging, self.is_main)
         self.model: ParallelModule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.loader: DataLoader | None = None  # the training loader setup() returned
@@ -137,14 +140,16 @@ class Session(JobFacts, SessionCheckpoints):
         of valid tokens; "tokens" counts the labels that are not -100); see `backward`."""
         inputs, targets, loss_fn, weight = unpack(to_device(batch, self.device), loss_fn, weight)
         model = self._require_model()
+        if self.meter is not None:
+            self.meter.count(inputs)
         fn = loss_fn or model.default_loss
         def checked(outputs: Any, targets: Any) -> torch.Tensor:  # before backward: a NaN loss stops
             return self._check_finite(check_loss(fn(outputs, targets)))  # its own rank, not a peer
 
         with self.accumulation():
             loss = model.forward_backward(inputs, targets, checked, self._loss_factor(weight))
-        self.step()
         self.last_loss = loss
+        self.step()
         return loss
 
     @contextlib.contextmanager
@@ -206,10 +211,13 @@ class Session(JobFacts, SessionCheckpoints):
             return False
         if self.optimizer is None:
             raise UsageError("step() needs an optimizer: pass it to session.setup(model, optimizer)")
-        stepped = optimizer_step(self._require_model(), self.optimizer, weights=self._weights, scaler=self.scaler,
-                                 max_grad_norm=self.max_grad_norm, check_finite=self.nan_check)
-        note_micro_step(self, optimizer_step=True)
-        return stepped
+        result = optimizer_step(self._require_model(), self.optimizer, weights=self._weights, scaler=self.scaler,
+                                max_grad_norm=self.max_grad_norm, check_finite=self.nan_check)
+        note_micro_step(self, optimizer_step=True)  # the loader's count, the step boundary (resume.py)
+        if self.meter is not None:
+            self.meter.after_step(self, result)  # automatic metric rows (autolog.py)
+        after_optimizer_step(self, self.preemption)  # may checkpoint and exit (preemption.py)
+        return result.stepped
 
     def _check_finite(self, loss: torch.Tensor) -> torch.Tensor:
         if self.nan_check:  # only the rank that sees it raises; the launcher stops the others
@@ -249,3 +257,15 @@ class Session(JobFacts, SessionCheckpoints):
         if self.model is None:
             raise UsageError("call session.setup(model, optimizer, loader) before training")
         return self.model
+
+
+def open_metrics(log_dir: str | os.PathLike | None, logging: Logging | None,
+                 is_main: bool) -> tuple[MetricsLogger | None, StepMeter | None]:
+    """The metrics files (when there is a log_dir) and the automatic rows (Logging(every=10) by default)."""
+    if log_dir is None:
+        if logging is not None:
+            raise ConfigError("Session(logging=...) writes into a log_dir: pass Session(log_dir=...) too")
+        return None, None
+    logging = logging or Logging()
+    metrics = MetricsLogger(log_dir, is_main=is_main, backends=logging.backends, project=logging.project)
+    return metrics, StepMeter(logging) if logging.every else None

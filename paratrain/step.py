@@ -16,7 +16,7 @@ Per optimizer step, on the gradients `local_grads()` returns (parallel/base.py):
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,12 +28,16 @@ from paratrain.parallel.base import ParallelModule
 from paratrain.precision import GradScaler
 
 
+class StepResult(NamedTuple):
+    stepped: bool  # False: fp16 skipped the step, its gradients overflowed (on every rank)
+    grad_norm: torch.Tensor | None  # the global norm before clipping, when clipping computed it
+
+
 def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, weights: TokenWeights,
-                   scaler: GradScaler | None, max_grad_norm: float | None, check_finite: bool) -> bool:
-    """Normalise, unscale, check, clip, step and zero the gradients; returns whether the optimizer
-    stepped (under fp16 every rank skips a step whose gradients overflowed)."""
+                   scaler: GradScaler | None, max_grad_norm: float | None, check_finite: bool) -> StepResult:
+    """Normalise, unscale, check, clip, step and zero the gradients."""
     factor = weights.normaliser(model.replicas)
-    skip = False
+    skip, norm = False, None
     if scaler is not None or factor != 1.0 or (check_finite and max_grad_norm is None):
         grads, group = model.local_grads()
         if scaler is not None:  # unscale before clipping: max_grad_norm is in true units
@@ -51,7 +55,7 @@ def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, w
     if scaler is not None:
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return not skip
+    return StepResult(not skip, norm)
 
 
 def _scale(grads: list[torch.Tensor], factor: float) -> None:

@@ -16,11 +16,11 @@ LAYERS = [
     {"topology"},
     {"grid"},
     {"comm"},
-    {"ring", "optim", "data", "loader", "precision", "accumulation", "metrics", "contrastive"},
+    {"ring", "optim", "data", "loader", "precision", "accumulation", "sinks", "metrics", "contrastive"},
     {"parallel.base"},
     {"parallel.*"},
     {"strategy"},
-    {"batch", "preemption", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step"},
+    {"batch", "preemption", "autolog", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step"},
     {"session_facts", "session"},
     {"launch", "envinfo", "cli", "testing", "__init__", "__main__"},
 ]
