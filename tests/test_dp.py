@@ -53,6 +53,7 @@ def test_equals_single_device_training(name, devices, balanced):
     assert_same_params(data_parallel(name, cpus, balanced), reference(name, cpus), atol=1e-5)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(CUDA == 0, reason="needs a CUDA device; this machine has none")
 @pytest.mark.parametrize("balanced", [False, True], ids=["plain", "balanced"])
 def test_equals_single_device_training_on_cuda(balanced):

@@ -49,6 +49,7 @@ def test_layers_on_cpu_devices_train_like_one_device(devices, microbatches):
     assert_same_params(state, _reference(), atol=1e-5)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(CUDA < 1, reason="needs a CUDA device (this machine has none)")
 @pytest.mark.parametrize("microbatches", [1, 4])
 def test_layers_on_cuda_devices_train_like_one_device(microbatches):

@@ -1,0 +1,23 @@
+"""bench/gpu_check.py, the check a session with a lent GPU runs first, in its CPU dry-run mode:
+every part runs the code it would run on the GPU, at tiny sizes, and the JSON records each."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_check_dry_run_runs_every_part(tmp_path):
+    out = tmp_path / "gpu.json"
+    done = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["dry_run"] is True
+    for part in ("tests", "session", "mfu", "parity", "nccl"):
+        assert results[part]["ok"], (part, results[part])
+    assert "collected" in results["tests"]["summary"][0]  # the CUDA-marked tests exist
+    assert results["session"]["flops_per_step"] > 0 and 0 < results["mfu"]["mfu"]
+    assert max(results["parity"]["max_param_diff"].values()) < 1e-5
