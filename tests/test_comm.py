@@ -58,7 +58,8 @@ def test_ring_all_reduce_equals_all_reduce_and_sends_the_bandwidth_bound(world):
             padded_bytes = world * chunk_bytes
             assert sent * world == 2 * (world - 1) * padded_bytes, (rank, shape, dtype, sent)
             assert counted == sent == modelled
-        torch.testing.assert_close(noisy, reference, rtol=1e-6, atol=1e-5)
+        # another summation order than gloo's: measured 4.8e-7 on sums up to 7.2 (one ulp there)
+        torch.testing.assert_close(noisy, reference, rtol=1e-6, atol=1e-6)
         if world >= 3 and rank > 0:
             x, owner = sub
             members = range(1, world)

@@ -30,8 +30,8 @@ def check_parity(per_rank, world):
         ref = worker.reference_for(name, world, accumulate, optim)
         for rank in per_rank:
             hier, flat = rank[key]["hierarchical"], rank[key]["flat"]
-            assert_same_params({k: hier[k] for k in ref}, ref, atol=1e-5)
-            assert_same_params(hier, flat, atol=1e-5)  # BatchNorm running statistics included
+            assert_same_params({k: hier[k] for k in ref}, ref, atol=1e-6)  # measured: at most 6.0e-8
+            assert_same_params(hier, flat, atol=1e-6)  # BatchNorm statistics included; measured: 6.0e-8
         first, last = per_rank[0][key]["hierarchical"], per_rank[-1][key]["hierarchical"]
         assert_same_params({k: first[k] for k in ref}, {k: last[k] for k in ref}, atol=0)
 
@@ -114,4 +114,4 @@ def test_session_with_the_hierarchical_strategy_equals_single():
     (_, single), = run_on_ranks(_session, 1, "single")
     for wrapped, state in run_on_ranks(_session, 4, Hierarchical(bucket_cap_mb=0.001), nodes=2):
         assert wrapped
-        assert_same_params(state, single, atol=1e-5)
+        assert_same_params(state, single, atol=1e-6)  # measured: 3.0e-8

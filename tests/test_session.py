@@ -41,7 +41,7 @@ def test_ddp_session_equals_single_session(world, accumulate, clip):
     results = run_on_ranks(_train, world, "ddp", accumulate, clip)
     for state, _, epochs in results:
         assert epochs == EPOCHS
-        assert_same_params(state, single, atol=1e-5)
+        assert_same_params(state, single, atol=1e-6)  # measured: at most 6.0e-8
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "zero3-units"])
@@ -49,7 +49,7 @@ def test_ddp_session_equals_single_session(world, accumulate, clip):
 def test_zero_session_equals_single_session(strategy, accumulate, clip):
     single, _, _ = run_on_ranks(_train, 1, "single", accumulate, clip)[0]
     for state, _, _ in run_on_ranks(_train, 2, strategy, accumulate, clip):
-        assert_same_params(state, single, atol=1e-5)
+        assert_same_params(state, single, atol=1e-6)  # measured: at most 6.0e-8
 
 
 def test_ranks_read_disjoint_shares_that_cover_each_epoch():
