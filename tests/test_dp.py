@@ -50,7 +50,8 @@ def data_parallel(name, devices, balanced):
 @pytest.mark.parametrize("name", ["mlp", "tied", "bn"])
 def test_equals_single_device_training(name, devices, balanced):
     cpus = ["cpu"] * devices
-    assert_same_params(data_parallel(name, cpus, balanced), reference(name, cpus), atol=1e-6)  # measured: at most 1.2e-7
+    ours = data_parallel(name, cpus, balanced)
+    assert_same_params(ours, reference(name, cpus), atol=1e-6)  # measured: at most 1.2e-7
 
 
 @pytest.mark.skipif(CUDA == 0, reason="needs a CUDA device; this machine has none")
