@@ -173,7 +173,8 @@ def shard_loader(loader: DataLoader, *, replicas: int, index: int, seed: int, ra
     generator = torch.Generator().manual_seed(seed + rank)
     options = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, generator=generator,
                    pin_memory=loader.pin_memory or pin_memory, timeout=loader.timeout,
-                   worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers)
+                   worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers,
+                   multiprocessing_context=loader.multiprocessing_context, prefetch_factor=loader.prefetch_factor)
     batch = loader.batch_size
     if isinstance(loader.dataset, IterableDataset):
         if batch is None or batch % replicas:
