@@ -35,6 +35,24 @@ def test_readme_test_command_is_what_ci_runs():
     assert "torch==2.13.0" in commands[0] and "examples/digits.py" in commands[0]
 
 
+def test_hf_causal_lm_example_trains_resumes_and_exports_for_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "examples/hf_causal_lm.py", "--strategy", "zero3",
+           "--steps", "40", "--checkpoint-every", "20", "--out", str(tmp_path)]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    losses = re.search(r"loss: first (\d+\.\d+) last (\d+\.\d+)", first.stdout)
+    assert float(losses.group(2)) < float(losses.group(1)) - 0.5  # it learns
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "resumed at optimizer step 40" in again.stdout, again.stderr[-3000:]
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "model")
+    alphabet = "\n" + "".join(chr(c) for c in range(32, 127))  # examples/gpt.py's characters
+    ids = torch.tensor([[alphabet.index(c) for c in "Return the number of items in the list, or None."]])
+    untrained = transformers.GPT2LMHeadModel(model.config)
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=ids).loss < untrained(input_ids=ids, labels=ids).loss - 0.5
+
+
 # -- README tables against bench/results/*.json: consistency of committed figures, which no code
 # change can fail; the benchmarks themselves refuse a busy machine (tests/test_bench.py)
 
@@ -81,21 +99,3 @@ def test_readme_zero_table_is_consistent_with_bench_json():
             assert row in readme, row
             rows += 1
     assert rows == len(re.findall(r"^\| [123] \| (MLP|small GPT) ", readme, re.M)) == 6
-
-
-def test_hf_causal_lm_example_trains_resumes_and_exports_for_from_pretrained(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "examples/hf_causal_lm.py", "--strategy", "zero3",
-           "--steps", "40", "--checkpoint-every", "20", "--out", str(tmp_path)]
-    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
-    losses = re.search(r"loss: first (\d+\.\d+) last (\d+\.\d+)", first.stdout)
-    assert float(losses.group(2)) < float(losses.group(1)) - 0.5  # it learns
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and "resumed at optimizer step 40" in again.stdout, again.stderr[-3000:]
-    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "model")
-    alphabet = "\n" + "".join(chr(c) for c in range(32, 127))  # examples/gpt.py's characters
-    ids = torch.tensor([[alphabet.index(c) for c in "Return the number of items in the list, or None."]])
-    untrained = transformers.GPT2LMHeadModel(model.config)
-    with torch.no_grad():
-        assert model(input_ids=ids, labels=ids).loss < untrained(input_ids=ids, labels=ids).loss - 0.5
