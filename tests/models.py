@@ -74,8 +74,25 @@ class Sometimes(MLP):
         return out + self.extra(x) if x[:, 0].sum() > 0 else out
 
 
+class Branches(nn.Module):
+    """Two heads summed, computed in the order `swap` says: backward produces the gradients of the
+    one computed last first, so ranks that differ in `swap` see their gradients in other orders."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 5), nn.Linear(12, 5)
+        self.swap = False
+
+    def forward(self, x):
+        if self.swap:
+            hb = self.b(x)
+            return self.a(x) + hb
+        ha = self.a(x)
+        return ha + self.b(x)
+
+
 MODELS = {"mlp": MLP, "bn": ConvBN, "dropout": Dropout, "tied": Tied, "unused": Unused,
-          "sometimes": Sometimes}
+          "sometimes": Sometimes, "branches": Branches}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:

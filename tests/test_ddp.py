@@ -250,3 +250,23 @@ def test_a_full_bucket_starts_its_all_reduce_while_backward_continues():
         # launches once its gradients exist, still inside backward
         assert log[:middle] == ["start bucket 0", "start bucket 1"], log
         assert log[middle + 1:] == [f"start bucket {i}" for i in range(2, buckets)] + ["backward returned"]
+
+
+def _rebuilt_in_rank_0s_order(topo):
+    model = make_model("branches")
+    model.swap = topo.rank == 1  # rank 1's gradients arrive in another order than rank 0's
+    ddp = pt.DistributedDataParallel(model, bucket_cap_mb=0.0002)  # one bucket per weight or bias
+    train_on_rank(topo, ddp, make_optimizer("sgd", ddp.parameters()), steps=STEPS, global_batch=GLOBAL_BATCH)
+    names = {p: n for n, p in model.named_parameters()}
+    return [[names[p] for p in bucket.params] for bucket in ddp._buckets.buckets], model.state_dict()
+
+
+def test_buckets_are_rebuilt_in_rank_0s_arrival_order_on_every_rank():
+    """Ranks must launch the same buckets: a rank laying them out in its own arrival order would
+    add its `a` gradients to rank 0's `b` gradients."""
+    (layout0, state0), (layout1, state1) = run_on_ranks(_rebuilt_in_rank_0s_order, 2)
+    assert layout0 == layout1 and len(layout0) > 1
+    assert layout0[0][0].startswith("b.")  # rank 0 computed `b` last: its gradients came first
+    ref = reference("branches", "sgd", world=2, accumulate=1, steps=STEPS, global_batch=GLOBAL_BATCH)
+    for state in (state0, state1):
+        assert_same_params(state, ref, atol=1e-6)  # measured: 3.0e-8
