@@ -81,7 +81,8 @@ def test_replicas_are_separate_modules_whose_gradients_reach_the_model():
     single = make_model("tied")
     single(x).square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), single.parameters()):
-        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+        # gradients of a squared sum reach 270: within 1e-6 of the largest (measured: 1.3e-7)
+        assert (p.grad - q.grad).abs().max() <= 1e-6 * q.grad.abs().max(), name
 
 
 def test_scatter_and_gather_keep_structure_and_order():
