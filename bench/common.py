@@ -3,7 +3,7 @@ timing, peak-memory measurement on CPU, bytes held counted from tensors, and the
 
 The models, data, training step, `time_interleaved` and the memory readers run inside the ranks
 (started by `paratrain.testing.run_on_ranks`); `slowest_rank`, `summarize_times`, `print_table`
-and `write_json`/`write_results` in the launching process. Linux only: peak memory reads /proc and calls glibc's
+and `write_json`/`write_results` (which refuse a busy machine) in the launching process. Linux only: peak memory reads /proc and calls glibc's
 mallopt.
 """
 
@@ -256,14 +256,49 @@ def write_json(path: str | os.PathLike, payload: dict) -> None:
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
+# A machine whose 1-minute load average exceeds this many runnable processes per core is busy:
+# the timings would measure other work too (1.5 on the 2-core development machines).
+BUSY_LOAD_PER_CORE = 0.75
+
+
+def refuse_busy_machine(args: argparse.Namespace, **loads: tuple) -> None:
+    """Stop (SystemExit) when any of `loads` (os.getloadavg() tuples, by when they were taken) has
+    a 1-minute average above BUSY_LOAD_PER_CORE × cores, unless --force was given."""
+    cores = os.cpu_count() or 1
+    limit = BUSY_LOAD_PER_CORE * cores
+    busy = [f"{when} {load[0]:.2f}" for when, load in loads.items() if load[0] > limit]
+    if busy and not args.force:
+        raise SystemExit(f"not writing {args.out}: the machine is busy (1-minute load average "
+                         f"{', '.join(busy)}; above {limit:.2f}, {BUSY_LOAD_PER_CORE} per core on "
+                         f"{cores} cores), so the timings would measure other work too. Run it on a "
+                         "quiet machine, or pass --force to write them anyway (the JSON records the loads)")
+
+
+def load_at_start(args: argparse.Namespace) -> tuple:
+    """The load averages before a run; refuses a busy machine at once (`refuse_busy_machine`)
+    rather than after minutes of timing."""
+    load = os.getloadavg()
+    refuse_busy_machine(args, before=load)
+    return load
+
+
 def write_results(args: argparse.Namespace, settings: dict, load_before: tuple, **results) -> None:
-    """Write `settings` (with torch's version, --quick and the load averages before and after the
-    run) and `results` to `args.out` as JSON, and say so."""
+    """Write `settings` (with torch's version, --quick, --force and the load averages before and
+    after the run) and `results` to `args.out` as JSON, and say so; refuse when the machine was
+    busy before or after, unless --force (`refuse_busy_machine`)."""
     load_after = os.getloadavg()
-    settings = dict(settings, torch=torch.__version__, quick=args.quick,
+    refuse_busy_machine(args, before=load_before, after=load_after)
+    settings = dict(settings, torch=torch.__version__, quick=args.quick, forced=args.force,
                     load_average_before=load_before, load_average_after=load_after)
     write_json(args.out, dict(settings=settings, **results))
     print(f"wrote {args.out}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+
+
+def add_force(parser: argparse.ArgumentParser) -> None:
+    """--force: write results even from a busy machine (see `refuse_busy_machine`)."""
+    parser.add_argument("--force", action="store_true",
+                        help=f"write the results even when the 1-minute load average exceeds "
+                             f"{BUSY_LOAD_PER_CORE} x cores before or after the run")
 
 
 def bench_parser(doc: str, *, out_name: str, rounds: int, steps: int, warmup: int,
@@ -279,6 +314,7 @@ def bench_parser(doc: str, *, out_name: str, rounds: int, steps: int, warmup: in
                         help="where to write the JSON results")
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings for a smoke check (options given explicitly still win)")
+    add_force(parser)
     return parser
 
 

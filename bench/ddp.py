@@ -46,7 +46,7 @@ import paratrain as pt  # noqa: E402
 from common import (MODELS, SEQ, bench_parser, parse_bench_args, loss_of, make_batches, make_model, peak_rss_mb, print_table,  # noqa: E402
                     reset_peak_rss, return_freed_memory_to_os, rss_mb, summarize_times,
                     time_interleaved, train_step,
-                    write_results)
+                    load_at_start, write_results)
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, THREADS, LR, MEMORY_STEPS, DATA_BATCHES = 2, 1, 1e-3, 3, 4
@@ -116,7 +116,7 @@ def _report(models: dict) -> None:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    load_before = os.getloadavg()
+    load_before = load_at_start(args)
     models = {}
     for name in MODELS:
         print(f"benchmarking {name} ...", flush=True)

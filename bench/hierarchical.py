@@ -38,7 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
 import paratrain as pt  # noqa: E402
 from common import (MODELS, bench_parser, parse_bench_args, interleave, make_batches, make_model, print_table, slowest_rank,  # noqa: E402
-                    train_step, write_results)
+                    load_at_start, train_step, write_results)
 from paratrain.comm import ByteCounter  # noqa: E402
 from paratrain.parallel.hierarchical import HierarchicalDataParallel  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
@@ -111,7 +111,7 @@ def _parse_args(argv) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    load_before = os.getloadavg()
+    load_before = load_at_start(args)
     models = {}
     for name in MODELS:
         print(f"benchmarking {name} ...", flush=True)

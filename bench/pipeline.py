@@ -56,8 +56,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
-from common import (SEQ, interleave, make_batches, make_model, peak_rss_mb, print_table,  # noqa: E402
-                    reset_peak_rss, return_freed_memory_to_os, rss_mb, slowest_rank, write_results)
+from common import (SEQ, add_force, interleave, load_at_start, make_batches, make_model, peak_rss_mb,  # noqa: E402
+                    print_table, reset_peak_rss, return_freed_memory_to_os, rss_mb, slowest_rank, write_results)
 from paratrain.parallel.pipeline import Cut, Pipeline, split_model  # noqa: E402
 from paratrain.parallel.pipeline.cut import prune  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
@@ -327,6 +327,7 @@ def _parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline.json"))
     parser.add_argument("--gpt-batch", type=int, default=32, help="sequences of 64 tokens per step (phase 4)")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke check")
+    add_force(parser)
     args = parser.parse_args(argv)
     if args.quick:
         parser.set_defaults(rounds=2, steps=2, warmup=1, batch=256, microbatches=[4, 8], gpt_batch=8)
@@ -355,7 +356,7 @@ def _report(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    load_before = os.getloadavg()
+    load_before = load_at_start(args)
     rows = []
     for m in args.microbatches:
         print(f"benchmarking m={m} ...", flush=True)

@@ -70,7 +70,7 @@ import paratrain as pt  # noqa: E402
 from common import (MODELS, SEQ, bench_parser, parse_bench_args, distinct_storage_bytes, live_tensor_bytes, loss_of,  # noqa: E402
                     make_batches, make_model, peak_rss_mb, print_table, reset_peak_rss,
                     return_freed_memory_to_os, rss_mb, summarize_times, time_interleaved, train_step,
-                    write_results)
+                    load_at_start, write_results)
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, THREADS, LR, MEMORY_STEPS, PARITY_STEPS, DATA_BATCHES = 2, 1, 1e-3, 3, 3, 4
@@ -293,7 +293,7 @@ def _source_version() -> str:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    load_before = os.getloadavg()
+    load_before = load_at_start(args)
     results: dict[str, dict] = {}
     for stage in args.stages:
         for name in args.models:

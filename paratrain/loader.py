@@ -43,15 +43,24 @@ class ShardedLoader(DataLoader):
     delivered = 0  # batches handed out in this pass
     trained = 0  # of those, batches whose backward completed
     stepped = 0  # of those, batches whose optimizer step completed
+    pass_generator: torch.Tensor | None = None  # the generator before this pass drew from it
 
     def __iter__(self):
         self.passes += 1
         self.delivered = self.trained = self.stepped = 0
+        self.pass_generator = self.generator.get_state()  # super().__iter__() draws the workers' seed
         for batch in super().__iter__():
             self.delivered += 1
             if self.delivered == 1 and isinstance(self.dataset, ShardedStream):
                 self.dataset.skip = 0  # taken by the pass (and by the workers' copies) by now
             yield batch
+        self.pass_generator = None  # the pass ran out: the next draws from the generator as it is
+
+    def generator_state(self) -> torch.Tensor:
+        """The generator as a resumed run needs it: as it was when the pass in progress began, so
+        the resumed pass draws the same seeds for its workers (and every later pass too); as it is
+        between passes."""
+        return self.pass_generator if self.pass_generator is not None else self.generator.get_state()
 
     def count_trained(self, optimizer_stepped: bool) -> None:
         """One more micro-batch of this pass trained; all trained so far stepped, if it stepped."""
@@ -173,7 +182,8 @@ def shard_loader(loader: DataLoader, *, replicas: int, index: int, seed: int, ra
     generator = torch.Generator().manual_seed(seed + rank)
     options = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, generator=generator,
                    pin_memory=loader.pin_memory or pin_memory, timeout=loader.timeout,
-                   worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers)
+                   worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers,
+                   multiprocessing_context=loader.multiprocessing_context, prefetch_factor=loader.prefetch_factor)
     batch = loader.batch_size
     if isinstance(loader.dataset, IterableDataset):
         if batch is None or batch % replicas:

@@ -10,6 +10,7 @@ in the data and its randomness:
     objects                the state_dict() of each object passed to `session.register(name=obj)`
                            (LR schedulers, counters of your own), JSON, under its name
     rng                    every rank's torch/CUDA/Python/NumPy states and the loader's generator
+                           (as the pass in progress began: ShardedLoader.generator_state)
 
 All but `rng` are JSON in the checkpoint's metadata, the same on every rank. RNG states are
 restored only under the world size that saved them (another world draws other streams anyway).
@@ -118,9 +119,9 @@ def check_registrable(name: str, obj: Any) -> None:
 def position(session: "Session") -> dict:
     """Where the loop stands now: epoch, micro-step, data position, this rank's RNG states."""
     rng = checkpoint.rng_state()
-    if session.loader is not None:
-        rng["loader"] = session.loader.generator.get_state()
     loader = session.loader if isinstance(session.loader, ShardedLoader) else None
+    if loader is not None:
+        rng["loader"] = loader.generator_state()
     return dict(epoch=session.epoch, micro_step=session.micro_step,
                 sampler=loader.position() if loader is not None else None, rng=rng)
 

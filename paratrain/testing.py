@@ -47,7 +47,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, nodes: int
     collective_timeout = collective_timeout or min(60.0, timeout / 2)
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
                LOCAL_WORLD_SIZE=str(world_size // nodes), PARATRAIN_BACKEND=backend)
-    procs = [ctx.Process(target=_rank_main, daemon=True,
+    # not daemonic, so that a rank may start DataLoader workers as under torchrun; the `finally`
+    # below kills every rank on every way out
+    procs = [ctx.Process(target=_rank_main, daemon=False,
                          args=(fn, rank, env, threads, collective_timeout, args, kwargs, results))
              for rank in range(world_size)]
     for p in procs:
@@ -89,6 +91,9 @@ def _rank_main(fn, rank, env, threads, collective_timeout, args, kwargs, results
     local_world = int(env["LOCAL_WORLD_SIZE"])
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank % local_world),
                       GROUP_RANK=str(rank // local_world))
+    # a fresh process, as under torchrun: the platform's start method, not the forkserver that
+    # started this one (each rank's DataLoader workers would start a server of their own: seconds)
+    mp.set_start_method(None, force=True)
     torch.set_num_threads(threads)
     try:
         topology = Topology.from_env().init(timeout=collective_timeout)

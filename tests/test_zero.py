@@ -7,15 +7,20 @@ import torch
 import torch.nn.functional as F
 
 import paratrain as pt
+from paratrain.parallel.zero import OwnerCollectives
 from paratrain.testing import assert_same_params, run_on_ranks
 from models import make_batches, make_model, make_optimizer, reference, train_on_rank
 
 STEPS, GLOBAL_BATCH = 3, 16
 
 
-def _train_sharded(topo, name, stage, optim, accumulate):
+FORCED = OwnerCollectives(reduce_scatter=True, all_gather=True)  # nccl's choice, run on gloo
+
+
+def _train_sharded(topo, name, stage, optim, accumulate, forced=False):
     model = make_model(name)
-    model, opt = pt.shard(model, make_optimizer(optim, model.parameters()), stage=stage, bucket_cap_mb=0.0005)
+    model, opt = pt.shard(model, make_optimizer(optim, model.parameters()), stage=stage, bucket_cap_mb=0.0005,
+                          collectives=FORCED if forced else None)
     train_on_rank(topo, model, opt, steps=STEPS, global_batch=GLOBAL_BATCH, accumulate=accumulate)
     return pt.full_state_dict(model)
 
@@ -24,18 +29,59 @@ def _reference(name, world, accumulate, optim):
     return reference(name, optim, world=world, accumulate=accumulate, steps=STEPS, global_batch=GLOBAL_BATCH)
 
 
-CASES = [(stage, name, world, optim, 1) for stage in (1, 2) for name in ("mlp", "tied", "bn")
+CASES = [(stage, name, world, optim, 1, False) for stage in (1, 2) for name in ("mlp", "tied", "bn")
          for world in (2, 4) for optim in ("adam", "sgd") if not (world == 4 and name == "bn")]
-CASES += [(1, "mlp", 2, "adam", 2), (2, "mlp", 2, "adam", 2), (2, "tied", 4, "sgd", 2),
-          (1, "tied", 2, "adamw", 1)]
+CASES += [(1, "mlp", 2, "adam", 2, False), (2, "mlp", 2, "adam", 2, False), (2, "tied", 4, "sgd", 2, False),
+          (1, "tied", 2, "adamw", 1, False)]
+CASES += [(1, "dropout", 2, "sgd", 1, False), (2, "dropout", 2, "adam", 1, False),
+          (2, "dropout", 4, "sgd", 2, False)]
+# reduce-scatter and all-gather (what nccl uses) forced on gloo, so that the path every GPU run
+# takes differs from a tested one only by the backend
+CASES += [(2, "mlp", 2, "adam", 1, True), (2, "tied", 4, "sgd", 2, True), (2, "bn", 2, "sgd", 1, True),
+          (1, "mlp", 4, "adam", 1, True)]
 
 
-@pytest.mark.parametrize("stage,name,world,optim,accumulate", CASES)
-def test_zero_matches_single_process(stage, name, world, optim, accumulate):
-    ours = run_on_ranks(_train_sharded, world, name, stage, optim, accumulate)
+@pytest.mark.parametrize("stage,name,world,optim,accumulate,forced", CASES)
+def test_zero_matches_single_process(stage, name, world, optim, accumulate, forced):
+    ours = run_on_ranks(_train_sharded, world, name, stage, optim, accumulate, forced)
     ref = _reference(name, world, accumulate, optim)
     for state in ours:
-        assert_same_params({k: state[k] for k in ref}, ref, atol=1e-5)
+        assert_same_params({k: state[k] for k in ref}, ref, atol=1e-6)  # measured: at most 1.2e-7
+
+
+def _two_synced_backwards(topo):
+    """Two backwards that both synchronise (no no_sync()), then one step: each stage's reduced
+    gradients must add up, as .grad does on one process."""
+    states = {}
+    for stage in (1, 2, 3):
+        model = make_model("mlp")
+        model, opt = pt.shard(model, make_optimizer("sgd", model.parameters()), stage=stage,
+                              bucket_cap_mb=0.0005, wrap_policy=_policy("mlp"))
+        train_on_rank(topo, model, opt, steps=STEPS, global_batch=GLOBAL_BATCH, accumulate=2, no_sync=False)
+        states[stage] = pt.full_state_dict(model)
+    return states
+
+
+def test_synchronised_backwards_before_one_step_add_up():
+    ref = _reference("mlp", 2, 2, "sgd")
+    for states in run_on_ranks(_two_synced_backwards, 2):
+        for stage, state in states.items():
+            assert_same_params({k: state[k] for k in ref}, ref, atol=1e-6)  # measured: 3.0e-8
+
+
+def _unused_in_stage(topo, stage):
+    model = make_model("unused")
+    model, _ = pt.shard(model, make_optimizer("sgd", model.parameters()), stage=stage)
+    xs, ys = make_batches(1, 4)
+    F.cross_entropy(model(xs[0]), ys[0]).backward()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_without_gradient_under_zero_1_or_2_is_named(stage):
+    """Stages 1 and 2 step whole slices of their buckets: a parameter that got no gradient would
+    be stepped with zeros (momentum, weight decay) where one process skips it, so it is refused."""
+    with pytest.raises(pt.testing.RankFailure, match=r"spare\.weight(.|\n)*ZeRO stages 1 and 2"):
+        run_on_ranks(_unused_in_stage, 2, stage, timeout=60, collective_timeout=10)
 
 
 def _policy(name):
@@ -44,25 +90,27 @@ def _policy(name):
     return WrapPolicy(module_classes=(nn.Linear,)) if name != "bn" else WrapPolicy(min_params=40)
 
 
-def _train_stage3(topo, name, optim, accumulate):
+def _train_stage3(topo, name, optim, accumulate, forced=False):
     model = make_model(name)
-    model, opt = pt.shard(model, make_optimizer(optim, model.parameters()), stage=3, wrap_policy=_policy(name))
+    model, opt = pt.shard(model, make_optimizer(optim, model.parameters()), stage=3,
+                          wrap_policy=_policy(name), collectives=FORCED if forced else None)
     train_on_rank(topo, model, opt, steps=STEPS, global_batch=GLOBAL_BATCH, accumulate=accumulate)
     return pt.full_state_dict(model), len(model.units)
 
 
-CASES3 = [(name, world, optim, 1) for name in ("mlp", "tied", "bn", "unused") for world in (2, 4)
+CASES3 = [(name, world, optim, 1, False) for name in ("mlp", "tied", "bn", "unused") for world in (2, 4)
           for optim in ("adam", "sgd") if not (world == 4 and name in ("bn", "unused"))]
-CASES3 += [("mlp", 2, "adam", 2), ("tied", 4, "sgd", 2), ("tied", 2, "adamw", 1)]
+CASES3 += [("mlp", 2, "adam", 2, False), ("tied", 4, "sgd", 2, False), ("tied", 2, "adamw", 1, False)]
+CASES3 += [("mlp", 2, "adam", 1, True), ("tied", 4, "sgd", 2, True)]  # all-gather, reduce-scatter on gloo
 
 
-@pytest.mark.parametrize("name,world,optim,accumulate", CASES3)
-def test_stage3_matches_single_process(name, world, optim, accumulate):
-    ours = run_on_ranks(_train_stage3, world, name, optim, accumulate)
+@pytest.mark.parametrize("name,world,optim,accumulate,forced", CASES3)
+def test_stage3_matches_single_process(name, world, optim, accumulate, forced):
+    ours = run_on_ranks(_train_stage3, world, name, optim, accumulate, forced)
     ref = _reference(name, world, accumulate, optim)
     for state, units in ours:
         assert units > 1
-        assert_same_params({k: state[k] for k in ref}, ref, atol=1e-5)
+        assert_same_params({k: state[k] for k in ref}, ref, atol=1e-6)  # measured: at most 1.2e-7
 
 
 def _sharded(name, stage, seed=0):
@@ -178,7 +226,7 @@ def test_stage3_bf16_compute_with_fp32_master_state_matches_its_arithmetic():
     ref = mixed_reference(2, torch.bfloat16)
     for state, dtypes, full_dtypes in run_on_ranks(_train_mixed, 2, False, torch.bfloat16):
         assert dtypes == {"torch.float32"} and full_dtypes == {torch.bfloat16}
-        assert_same_params({k: state[k] for k in ref}, ref, atol=1e-6)
+        assert_same_params({k: state[k] for k in ref}, ref, atol=1e-6)  # measured: 0
 
 
 def test_stage3_offload_matches_single_process():
@@ -187,7 +235,7 @@ def test_stage3_offload_matches_single_process():
     ref = _reference("mlp", 2, 1, "adam")
     for state, dtypes, _ in run_on_ranks(_train_mixed, 2, True, None):
         assert dtypes == {"torch.float32"}
-        assert_same_params({k: state[k] for k in ref}, ref, atol=1e-5)
+        assert_same_params({k: state[k] for k in ref}, ref, atol=1e-6)  # measured: 7.5e-8
 
 
 def _evaluate(topo):
@@ -202,7 +250,7 @@ def _evaluate(topo):
 def test_stage3_inference_gathers_then_frees_every_unit():
     expected = make_model("tied")(make_batches(1, 4)[0][0]).detach()
     for out, gathered in run_on_ranks(_evaluate, 2):
-        assert torch.allclose(out, expected, atol=1e-6)
+        assert torch.allclose(out, expected, rtol=0, atol=1e-6)  # measured: 0
         assert gathered and all(size == 0 for size in gathered)
 
 
@@ -233,4 +281,4 @@ def test_stage3_recovers_from_a_failed_backward():
     for x, y in zip(xs[1:], ys[1:]):
         _step(model, opt, x, y)
     for state in run_on_ranks(_recover, 2):
-        assert_same_params(state, model.state_dict(), atol=1e-5)
+        assert_same_params(state, model.state_dict(), atol=1e-6)  # measured: 3.0e-8

@@ -68,6 +68,8 @@ class Reduction:
 
     pad_to: int = 1  # bucket buffers are padded to a multiple of this (equal chunks per rank)
     rebuild: bool = True  # the buckets may be laid out again after the first backward
+    # what a user whose parameter got no gradient can do (grad_sync.py names the parameters)
+    unused_advice: str = "pass find_unused_parameters=True to DistributedDataParallel (or pt.DDP)"
 
     def key(self, p: nn.Parameter) -> Any:
         """Parameters with different keys never share a bucket."""

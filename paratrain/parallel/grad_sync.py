@@ -111,8 +111,7 @@ class GradSync:
     def _refuse_missing(self, missing: list[nn.Parameter]) -> None:
         names = ", ".join(self.names.get(p, "?") for p in missing[:10])
         advice = ("they were reached from the model's outputs but not from the loss: use every "
-                  "output in the loss" if self.find_unused else
-                  "pass find_unused_parameters=True to DistributedDataParallel (or pt.DDP)")
+                  "output in the loss" if self.find_unused else self.reduction.unused_advice)
         raise UsageError(f"{len(missing)} parameter(s) got no gradient in this backward: {names}; "
                          f"{advice}, or remove them from the model (or set requires_grad=False)")
 

@@ -10,7 +10,9 @@ of activations the stage held afterwards. From these events:
   and every backward 2 on every stage, each action starting when its stage is free and its input
   has arrived (the activation from the stage before, or the gradient from the stage after). This
   gives the bubble of the *schedule* on uniform stages, free of the noise of a shared machine, and
-  it fails if the recorded order could deadlock;
+  it fails if the recorded order could deadlock. `replay(events, measured=True)` keeps each
+  action's recorded duration: the fastest run of the recorded order with those durations, so its
+  bubble is a lower bound of the recorded one;
 - `peak_in_flight(events)`: per stage, the most micro-batches whose activations were alive;
 - `draw(events, path)`: a timeline picture (PNG), one row per stage, as in the GPipe paper's
   Figure 2 (Huang et al. 2019) and PipeDream-flush's (Narayanan et al. 2021, Figure 4).
@@ -68,8 +70,10 @@ def peak_in_flight(events: Sequence[Event]) -> dict[int, int]:
     return {s: max(e.in_flight for e in evs) for s, evs in by_stage(events).items()}
 
 
-def replay(events: Sequence[Event], forward_cost: float = 1.0, backward_cost: float = 2.0) -> list[Event]:
-    """The recorded per-stage order, re-timed on uniform stages (see the module docstring).
+def replay(events: Sequence[Event], forward_cost: float = 1.0, backward_cost: float = 2.0, *,
+           measured: bool = False) -> list[Event]:
+    """The recorded per-stage order, re-timed on uniform stages, or with `measured` each action
+    taking its recorded duration (see the module docstring).
 
     An action runs once its stage finished the previous action and its input exists: F(s, i)
     needs F(s-1, i); B(s, i) needs B(s+1, i) (the last stage's B needs its own F, earlier in its
@@ -88,7 +92,8 @@ def replay(events: Sequence[Event], forward_cost: float = 1.0, backward_cost: fl
                 if dep is not None and dep not in done:
                     break
                 start = max(free[s], done.get(dep, 0.0))
-                end = start + (forward_cost if e.kind is Kind.FORWARD else backward_cost)
+                cost = forward_cost if e.kind is Kind.FORWARD else backward_cost
+                end = start + (e.end - e.start if measured else cost)
                 done[(s, e.kind, e.microbatch)], free[s] = end, end
                 out.append(replace(e, start=start, end=end))
                 queue.pop(0)

@@ -53,6 +53,9 @@ class OwnerReduction(Reduction):
     group_of: dict[nn.Parameter, int]  # each parameter's optimizer param group
     works: list[dist.Work] = field(default_factory=list)
     rebuild = False  # the parameters live in the buckets' layout
+    unused_advice = ("ZeRO stages 1 and 2 cannot leave a parameter out (the optimizer steps whole "
+                     "slices of a bucket: it would apply momentum and weight decay where one process "
+                     "skips the parameter); use DDP with find_unused_parameters=True")
 
     @property
     def pad_to(self) -> int:  # every bucket cuts into N equal slices

@@ -1,0 +1,236 @@
+"""Mutation check: plausible one-line bugs put into a copy of the library, each against the tests
+that should catch it.
+
+    python tools/mutation_check.py              every mutant (about 5 minutes on 2 cores)
+    python tools/mutation_check.py NAME ...     the ones named
+    python tools/mutation_check.py --check      only check that every snippet is still there
+    python tools/mutation_check.py --baseline   also run the tests once on the unmutated copy
+
+Not part of the test suite (it runs test files once per mutant); run it before closing an issue
+that touches the parallel code, and put its table in the note. For each mutant the repository is
+copied to a temporary directory (without .git, .venv and caches), the mutant's snippets are
+replaced there, each of which must occur exactly once in its file (`--check`, which
+tests/test_mutation_list.py runs: a snippet that moved or changed fails the suite, so the list
+cannot silently rot), and pytest runs the mutant's test files in the copy with this interpreter,
+`-x`, and PYTHONPATH pointing at the copy. That makes the copy's paratrain the one imported: by
+pytest, by the ranks `run_on_ranks` spawns and by `python -m paratrain run` subprocesses, which
+inherit the environment; a probe checks both kinds of process before any mutant runs.
+
+Caught: pytest failed (or ran past --timeout). Survived: every test passed, so the bug would go
+unnoticed: add the test that catches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", "runs")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str  # what it stands for
+    path: str  # relative to the repository root
+    edits: tuple[tuple[str, str], ...]  # (exact snippet, replacement); each snippet occurs once
+    tests: tuple[str, ...]  # test files (or node ids) that must catch it
+
+
+MUTANTS = [
+    # issue 15's table
+    Mutant("ddp-world", "DDP averages over the world instead of its process group",
+           "paratrain/parallel/grad_sync.py",
+           (("self.world = dist.get_world_size(group)", "self.world = dist.get_world_size()"),),
+           ("tests/test_ddp.py",)),
+    Mutant("scaler-restore", "the fp16 loss scale is not restored by a resume", "paratrain/resume.py",
+           (("        session.scaler.load_state_dict(state[\"scaler\"])", "        pass"),),
+           ("tests/test_resume.py", "tests/test_precision.py")),
+    Mutant("zero2-slices-replace", "a second synchronised backward replaces ZeRO-2's gradient slice",
+           "paratrain/parallel/zero/stage12.py",
+           (("add_into(self.shard_grads.get(bucket.index), mine)", "add_into(None, mine)"),),
+           ("tests/test_zero.py",)),
+    Mutant("launch-at-finish", "buckets launch only when backward ends (no overlap)",
+           "paratrain/parallel/buckets.py",
+           (("        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].pending == 0:",
+             "        while False:"),
+            ("        \"\"\"Wait for every launched reduction.\"\"\"\n        self.reduction.finish()",
+             "        for bucket in self.buckets[self.next_to_launch:]:\n"
+             "            self.reduction.start(bucket)\n        self.reduction.finish()")),
+           ("tests/test_ddp.py",)),
+    Mutant("1f1b-warmup", "1F1B's warm-up runs one forward too many",
+           "paratrain/parallel/pipeline/schedules.py",
+           (("warmup = min(stage.stages - 1 - stage.stage, m)", "warmup = min(stage.stages - stage.stage, m)"),),
+           ("tests/test_pipeline.py",)),
+    # our own, in recently written code
+    Mutant("rebuild-own-order", "each rank rebuilds its buckets in its own arrival order",
+           "paratrain/parallel/grad_sync.py",
+           (("        if self.world > 1:\n            comm.broadcast(order, 0, self.group)",
+             "        if False:\n            comm.broadcast(order, 0, self.group)"),),
+           ("tests/test_ddp.py",)),
+    Mutant("unused-not-settled", "a parameter used on another rank keeps no gradient here",
+           "paratrain/parallel/grad_sync.py",
+           (("        if self.find_unused:  # on every rank", "        if False:  # on every rank"),),
+           ("tests/test_ddp.py",)),
+    Mutant("aliased-no-average", "a gradient already in its bucket is not multiplied by 1/N",
+           "paratrain/parallel/buckets.py",
+           (("            if factor != 1.0:\n                view.mul_(factor)",
+             "            if False:\n                view.mul_(factor)"),),
+           ("tests/test_ddp.py", "tests/test_accumulation.py")),
+    Mutant("grid-axes-swapped", "the grid's pipeline and data-parallel axes are swapped", "paratrain/grid.py",
+           (('grids = {"pp": (self.dp, self.pp, 1), "dp": (self.dp, self.pp, 0),',
+             'grids = {"pp": (self.dp, self.pp, 0), "dp": (self.dp, self.pp, 1),'),),
+           ("tests/test_pipeline.py",)),
+    Mutant("zero2-keeps-full-grads", "ZeRO-2 keeps each bucket's full gradients after reducing them",
+           "paratrain/parallel/zero/stage12.py",
+           (("            bucket.buffer.untyped_storage().resize_(0)  # the full gradients live only in backward",
+             "            pass"),),
+           ("tests/test_zero_memory.py",)),
+    Mutant("replicas-sync-every-microbatch", "pipeline replicas all-reduce on every micro-batch",
+           "paratrain/parallel/pipeline/stage.py",
+           (("            last = i == self.microbatches - 1", "            last = True"),),
+           ("tests/test_pipeline.py",)),
+    Mutant("python-rng-not-restored", "a resume leaves Python's random where it was",
+           "paratrain/checkpoint.py",
+           (("    random.setstate((version, tuple(internal), gauss))", "    pass"),),
+           ("tests/test_resume.py",)),
+    Mutant("loader-rng-after-draw", "a checkpoint saves the loader's generator after the pass drew from it",
+           "paratrain/loader.py",
+           (("        return self.pass_generator if self.pass_generator is not None else self.generator.get_state()",
+             "        return self.generator.get_state()"),),
+           ("tests/test_resume.py",)),
+    Mutant("position-counts-fetched", "the data position counts what the loader fetched, not what trained",
+           "paratrain/loader.py",
+           (("self.sampler.state_dict(per_replica_samples=self.stepped * self.batch_size)",
+             "self.sampler.state_dict()"),),
+           ("tests/test_resume.py",)),
+    Mutant("window-start-not-kept", "a checkpoint inside an accumulation records the loop as it is, not at the "
+           "accumulation's start", "paratrain/resume.py",
+           (("    if optimizer_step and session.accumulate > 1:", "    if False:"),),
+           ("tests/test_resume.py",)),
+]
+
+
+def check(mutants: list[Mutant], root: Path = ROOT) -> list[str]:
+    """Problems with the list: a snippet missing from its file, or found more than once."""
+    problems = []
+    for m in mutants:
+        text = (root / m.path).read_text()
+        for old, _ in m.edits:
+            if text.count(old) != 1:
+                problems.append(f"{m.name}: {m.path} holds {text.count(old)} copies of {old.strip()[:70]!r} "
+                                "(needs exactly 1): update MUTANTS in tools/mutation_check.py")
+    return problems
+
+
+def apply(mutant: Mutant, root: Path) -> None:
+    path = root / mutant.path
+    text = path.read_text()
+    for old, new in mutant.edits:
+        text = text.replace(old, new)
+    path.write_text(text)
+
+
+def copy_tree(into: Path) -> Path:
+    repo = into / "repo"
+    shutil.copytree(ROOT, repo, ignore=IGNORED)
+    return repo
+
+
+def _env(repo: Path) -> dict:
+    return dict(os.environ, PYTHONPATH=str(repo), PYTHONDONTWRITEBYTECODE="1")
+
+
+PROBE = '''
+import paratrain
+from paratrain.testing import run_on_ranks
+
+def where(topo):
+    import paratrain
+    return paratrain.__file__
+
+if __name__ == "__main__":
+    print(paratrain.__file__)
+    for path in run_on_ranks(where, 2):
+        print(path)
+'''
+
+
+def probe(repo: Path) -> None:
+    """Fail unless this process's child and its spawned ranks import the copy's paratrain."""
+    (repo / "mutation_probe.py").write_text(PROBE)
+    done = subprocess.run([sys.executable, "mutation_probe.py"], cwd=repo, env=_env(repo),
+                          capture_output=True, text=True, timeout=120)
+    paths = done.stdout.split()
+    if done.returncode or len(paths) != 3 or not all(p.startswith(str(repo)) for p in paths):
+        raise SystemExit(f"the copy's paratrain is not the one imported: {paths}\n{done.stderr[-2000:]}")
+    (repo / "mutation_probe.py").unlink()
+
+
+def run_tests(repo: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, str, float]:
+    """(caught | survived | timeout, the first failing test or '', seconds)."""
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    try:
+        done = subprocess.run(cmd, cwd=repo, env=_env(repo), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", f"ran past {timeout:.0f} s", time.monotonic() - start
+    failed = re.search(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
+    status = "survived" if done.returncode == 0 else "caught"
+    return status, failed.group(1) if failed else "", time.monotonic() - start
+
+
+def run_mutant(mutant: Mutant, timeout: float) -> tuple[str, str, float]:
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+        repo = copy_tree(Path(tmp))
+        apply(mutant, repo)
+        return run_tests(repo, mutant.tests, timeout)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--check", action="store_true", help="only check the snippets")
+    parser.add_argument("--baseline", action="store_true", help="first run the tests on the unmutated copy")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutant's tests")
+    args = parser.parse_args(argv)
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutants {sorted(unknown)}; choose from {[m.name for m in MUTANTS]}")
+    mutants = [m for m in MUTANTS if not args.names or m.name in args.names]
+    problems = check(mutants)
+    if problems or args.check:
+        print("\n".join(problems) or f"all {len(mutants)} mutants' snippets occur exactly once")
+        return 1 if problems else 0
+    with tempfile.TemporaryDirectory(prefix="mutant-probe-") as tmp:
+        repo = copy_tree(Path(tmp))
+        probe(repo)
+        if args.baseline:
+            tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+            status, failed, seconds = run_tests(repo, tests, timeout=4 * args.timeout)
+            print(f"baseline (unmutated): {'passed' if status == 'survived' else status + ' ' + failed} "
+                  f"in {seconds:.0f} s", flush=True)
+            if status != "survived":
+                return 1
+    print("| mutant | bug | tests run | result | first failing test | seconds |\n| --- | --- | --- | --- | --- | --- |")
+    survived = 0
+    for m in mutants:
+        status, failed, seconds = run_mutant(m, args.timeout)
+        survived += status == "survived"
+        print(f"| {m.name} | {m.bug} | {', '.join(t.removeprefix('tests/') for t in m.tests)} | {status} | "
+              f"{failed.removeprefix('tests/')} | {seconds:.0f} |", flush=True)
+    print(f"{len(mutants) - survived} of {len(mutants)} caught")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
