@@ -53,6 +53,7 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor  # (sum of numels, padded) in the parameters' dtype and device
     offsets: list[int]
+    last: bool = False  # the last bucket launched in a backward (torch's GradBucket.is_last())
     pending: int = 0  # parameters whose gradient has not arrived in this backward
 
     def view(self, slot: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,12 +65,15 @@ class Bucket:
 class Reduction:
     """How full buckets are reduced. `start(bucket)` is called in bucket order as each fills;
     `finish()` waits for every started one, after which each bucket holds the average (the
-    gradients entered their buckets already multiplied by 1/N, so a SUM is the mean)."""
+    gradients entered their buckets already multiplied by 1/N, so a SUM is the mean, unless
+    `prescale` is False: then they enter as they are and the reduction divides, as a torch DDP
+    communication hook does)."""
 
     pad_to: int = 1  # bucket buffers are padded to a multiple of this (equal chunks per rank)
     rebuild: bool = True  # the buckets may be laid out again after the first backward
     # what a user whose parameter got no gradient can do (grad_sync.py names the parameters)
     unused_advice: str = "pass find_unused_parameters=True to DistributedDataParallel (or pt.DDP)"
+    prescale: bool = True  # gradients enter their bucket multiplied by 1/N
 
     def key(self, p: nn.Parameter) -> Any:
         """Parameters with different keys never share a bucket."""
@@ -133,13 +137,14 @@ class GradBuckets:
 
     buckets: list[Bucket]
     reduction: Reduction
-    world_size: int  # gradients are multiplied by 1/world_size on their way in
+    scale: float  # a synchronised backward's gradients are multiplied by this on their way in:
+    # 1/N, or 1 when the reduction divides (GradSync sets it per backward under join())
     slot_of: dict[nn.Parameter, tuple[Bucket, int]] = field(default_factory=dict)
     next_to_launch: int = 0
     arrived: list[nn.Parameter] = field(default_factory=list)  # in this backward, in order
 
     @classmethod
-    def build(cls, layout: list[list[nn.Parameter]], reduction: Reduction, world_size: int) -> "GradBuckets":
+    def build(cls, layout: list[list[nn.Parameter]], reduction: Reduction, scale: float) -> "GradBuckets":
         """Buckets holding `layout`'s parameter lists, each buffer zero-padded to a multiple of
         `reduction.pad_to` elements."""
         buckets = []
@@ -148,8 +153,8 @@ class GradBuckets:
             total = offsets[-1] + members[-1].numel()
             total = -(-total // reduction.pad_to) * reduction.pad_to
             buffer = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
-            buckets.append(Bucket(index, members, buffer, offsets))
-        grad_buckets = cls(buckets, reduction, world_size)
+            buckets.append(Bucket(index, members, buffer, offsets, last=index == len(layout) - 1))
+        grad_buckets = cls(buckets, reduction, scale)
         for bucket in buckets:
             for slot, p in enumerate(bucket.params):
                 grad_buckets.slot_of[p] = (bucket, slot)
@@ -162,14 +167,14 @@ class GradBuckets:
     def adopt_grad(self, p: nn.Parameter, *, average: bool = False, zero_if_missing: bool = False) -> None:
         """Make `p.grad` the bucket view: move a freshly allocated gradient in (after
         `zero_grad(set_to_none=True)` autograd allocates a new tensor), or zero the slot.
-        `average` multiplies by 1/N on the way, so the reduction's SUM is the mean (one pass over
-        the gradient instead of a copy and a division). Multiplied, not divided: torch's reducer
+        `average` multiplies by `scale` (1/N) on the way, so the reduction's SUM is the mean (one
+        pass over the gradient instead of a copy and a division). Multiplied, not divided: torch's reducer
         multiplies by 1/N (reducer.cpp `mark_variable_ready_dense`), and at N = 3 or 5 the two
         differ in the last bit."""
         bucket, slot = self.slot_of[p]
         self.reduction.before_fill(bucket)
         view = bucket.view(slot)
-        factor = 1.0 / self.world_size if average else 1.0
+        factor = self.scale if average else 1.0
         if p.grad is None:
             if zero_if_missing:
                 view.zero_()

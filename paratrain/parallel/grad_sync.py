@@ -7,8 +7,8 @@ reducer of torch's DDP does (torch/csrc/distributed/c10d/reducer.cpp):
                             None: not known before backward ends)
     hook, per parameter     fires once per backward, after autograd has summed every contribution
                             into p.grad (tied weights included), so p.grad is final: it moves into
-                            its bucket, multiplied by 1/N, and a full bucket's reduction starts
-                            while backward goes on
+                            its bucket, multiplied by 1/N (unless the reduction divides: a comm
+                            hook), and a full bucket's reduction starts while backward goes on
     callback, end of backward  queued on the autograd engine by the first hook: waits for every
                             reduction, so `.grad` holds the average when `backward()` returns
 
@@ -16,9 +16,15 @@ A backward that does not synchronise only accumulates, in the buckets, locally. 
 synchronised backward the buckets are laid out again in the order the gradients arrived (rank 0's
 order, broadcast once; see buckets.py), unless unused parameters are allowed or the reduction
 forbids it (ZeRO's parameters live in its buckets' layout).
+
+Under DDP's join() (ddp_join.py), a rank that has run out of batches calls `shadow_backward()`
+for each synchronised backward of the others: the same collectives, on zeros.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,20 +55,38 @@ class GradSync:
         self.world = dist.get_world_size(group)
         self._rebuild = reduction.rebuild and not find_unused  # as torch: a varying graph keeps its layout
         first_caps = UNLIMITED if self._rebuild else caps
-        self.buckets = GradBuckets.build(first_layout(params, first_caps, reduction.key), reduction, self.world)
+        self.buckets = GradBuckets.build(first_layout(params, first_caps, reduction.key), reduction, self._scale())
         self._order: list[nn.Parameter] | None = None  # arrival order of the first synchronised backward
         self._sync = False
         self._in_backward = False
         self._unused: list[nn.Parameter] | None = []
+        self._ranks_training: Callable[[], int] | None = None
+        self._used: torch.Tensor | None = None  # the last all-reduced used-bitmap (find_unused)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
-    def prepare(self, sync: bool, unused: list[nn.Parameter] | None = ()) -> None:
+    def prepare(self, sync: bool, unused: list[nn.Parameter] | None = (),
+                ranks_training: Callable[[], int] | None = None) -> None:
         """Before a backward: whether it synchronises, and the parameters known not to take part
-        (None: find out when backward ends; they count as zero where another rank has one)."""
-        if self._order is not None:
-            self._rebuild_buckets()
+        (None: find out when backward ends; they count as zero where another rank has one).
+        ranks_training: under join(divide_by_initial_world_size=False), how many ranks still train,
+        asked once when backward starts; the gradients are averaged over those (torch's reducer
+        waits for join's notification there too). None: over the whole group."""
+        self.rebuild_if_pending()
         self._sync, self._in_backward = sync, False
         self._unused = None if unused is None else list(unused)
+        self._ranks_training = ranks_training
+
+    def set_reduction(self, reduction: Reduction) -> None:
+        """Reduce the buckets with `reduction` from the next backward on (DDP.register_comm_hook);
+        the layout and any accumulated gradients stay."""
+        if self._in_backward:
+            raise UsageError("the bucket reduction cannot change during a backward; register the "
+                             "communication hook before calling backward")
+        self.reduction = reduction
+        self.buckets = GradBuckets.build([b.params for b in self.buckets.buckets], reduction, self._scale())
+
+    def _scale(self, ranks: int | None = None) -> float:
+        return 1.0 / (ranks or self.world) if self.reduction.prescale else 1.0
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         # fires on the autograd thread, in the middle of backward
@@ -77,6 +101,7 @@ class GradSync:
     def _start_backward(self) -> None:
         self._in_backward = True
         self.buckets.reset()
+        self.buckets.scale = self._scale(self._ranks_training() if self._ranks_training else None)
         if self.finish_in_backward:
             Variable._execution_engine.queue_callback(self._finish_backward)  # runs once backward ends
         for p in self._unused or ():  # contribute what they hold (zero if nothing) to the average
@@ -123,10 +148,39 @@ class GradSync:
         used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32,
                             device=self.params[0].device)
         dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
+        self._used = used
         for p, anywhere in zip(self.params, used.tolist()):
             if anywhere and p.grad is None:
                 bucket, slot = self.buckets.slot_of[p]
                 p.grad = bucket.view(slot)
+
+    def shadow_backward(self) -> None:
+        """A joined rank's side of the others' synchronised backward (DDP.join; torch:
+        `_match_all_reduce_for_bwd_pass`, `_match_unused_params_allreduce`,
+        `_push_all_rebuilt_params`): every bucket's reduction in launch order on a zero stand-in,
+        the used-bitmap, and, if the layout has not been rebuilt yet, all parameters in
+        registration order as this rank's arrival order, so that it takes part in the rebuild
+        that the others start at their next forward.
+
+        The bitmap is the last one all-reduced, as torch's joined rank sends its device-side map
+        (`_get_local_used_map`), which still holds the last reduced one: a parameter used anywhere
+        in its last synchronised backward, or in any shadowed since, counts as used, and where no
+        training rank uses it its gradient becomes zeros rather than None. Kept, for torch's bits."""
+        for bucket in self.buckets.buckets:
+            self.reduction.start(replace(bucket, buffer=torch.zeros_like(bucket.buffer)))
+        self.reduction.finish()
+        if self.find_unused:
+            if self._used is None:
+                self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self.params[0].device)
+            dist.all_reduce(self._used, op=dist.ReduceOp.MAX, group=self.group)
+        if self._rebuild:
+            self._order, self._rebuild = list(self.params), False
+
+    def rebuild_if_pending(self) -> None:
+        """After the first synchronised backward: lay the buckets out in rank 0's arrival order
+        (collective: every rank calls it at the same point of the next iteration)."""
+        if self._order is not None:
+            self._rebuild_buckets()
 
     def _rebuild_buckets(self) -> None:
         """Lay the buckets out in rank 0's arrival order (torch: `Reducer::rebuild_buckets`, which
@@ -138,4 +192,4 @@ class GradSync:
             comm.broadcast(order, 0, self.group)
         self._order = None
         layout = assign([self.params[i] for i in order.tolist()], self.caps, self.reduction.key)
-        self.buckets = GradBuckets.build(layout, self.reduction, self.world)
+        self.buckets = GradBuckets.build(layout, self.reduction, self._scale())
