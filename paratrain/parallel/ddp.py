@@ -13,7 +13,8 @@ Algorithm (Li et al., "PyTorch Distributed", VLDB 2020; torch/nn/parallel/distri
 - `no_sync()`: forwards and backwards inside it only accumulate, in the buckets, locally.
 
 The reduction of a bucket is a component (`reduction=`): an all-reduce by default; hierarchical
-data parallel and ZeRO stages 1-2 pass their own. The constructor otherwise takes the arguments of
+data parallel and ZeRO stages 1-2 pass their own, and `register_comm_hook` swaps in one of torch's
+communication hooks (comm_hooks.py). The constructor otherwise takes the arguments of
 `torch.nn.parallel.DistributedDataParallel`, and the wrapped model sits at `.module`, so
 state-dict keys match torch's and porting a script means changing one import.
 """
@@ -21,7 +22,7 @@ state-dict keys match torch's and porting a script means changing one import.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from paratrain.errors import ConfigError, UsageError
 from paratrain.grid import ProcessGrid
 from paratrain.parallel.base import ParallelModule, Strategy, owned
 from paratrain.parallel.buckets import DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, AllReduce, Reduction
+from paratrain.parallel.comm_hooks import CommHookReduction, check_comm_hook
 from paratrain.parallel.grad_sync import GradSync
 
 _UNSUPPORTED = ("delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision")
@@ -76,17 +78,17 @@ class DistributedDataParallel(ParallelModule):
         self.device_ids = device_ids
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = _buffer_sync_flag(broadcast_buffers, forward_sync_buffers)
-        self._require_forward_param_sync = True  # broadcast buffers at the next forward
+        self.require_forward_param_sync = True  # broadcast buffers at the next forward (torch's name)
         self._params = [p for p in module.parameters() if p.requires_grad]
         if not self._params:
             raise ConfigError("the module has no parameter that requires a gradient; "
                               "DistributedDataParallel has nothing to synchronise")
-        self._module_buffers = list(module.buffers())  # as torch's DDP (`modules_buffers`): listed once
+        self.modules_buffers = list(module.buffers())  # listed once, as torch's DDP
         if init_sync:
             self._check_same_model_everywhere()
             broadcast_coalesced(list(module.parameters()), self.process_group)
             if broadcast_buffers is not False:
-                broadcast_coalesced(self._module_buffers, self.process_group)
+                broadcast_coalesced(self.modules_buffers, self.process_group)
         self._grad_sync = GradSync(self._params, {p: n for n, p in module.named_parameters()},
                                    self.process_group, reduction=reduction or AllReduce(self.process_group),
                                    caps=_caps(bucket_cap_mb, bucket_cap_mb_list),
@@ -102,19 +104,43 @@ class DistributedDataParallel(ParallelModule):
             device = torch.device("cuda", self.device_ids[0]) if isinstance(self.device_ids[0], int) \
                 else torch.device(self.device_ids[0])
             inputs, kwargs = tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, (inputs, kwargs))
-        if self.broadcast_buffers and self._require_forward_param_sync and self._module_buffers:
-            broadcast_coalesced(self._module_buffers, self.process_group)
+        if self.will_sync_module_buffers():
+            self.sync_module_buffers()
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():  # a no-grad forward (evaluation) builds no backward to plan
             # as torch's DDP (`_post_forward`): the forward after a no_sync() forward skips the
             # buffer broadcast, so accumulation costs no communication at all
-            sync = self._require_forward_param_sync = self.require_backward_grad_sync
+            sync = self.require_forward_param_sync = self.require_backward_grad_sync
             unused = []
             if sync and self.find_unused_parameters:
                 used = _params_reached_from(output)
                 unused = [p for p in self._params if p not in used]
             self._grad_sync.prepare(sync, unused)
         return output
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (torch's name)."""
+        return self.broadcast_buffers and self.require_forward_param_sync and bool(self.modules_buffers)
+
+    def sync_module_buffers(self, src: int = 0) -> None:
+        """Overwrite every rank's buffers with those of rank `src` of the group."""
+        broadcast_coalesced(self.modules_buffers, self.process_group, src)
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """torch's: from the next backward on, each gradient bucket is reduced by `hook(state,
+        bucket)`, which returns a torch.futures.Future holding the reduced bucket (torch's hooks
+        in torch.distributed.algorithms.ddp_comm_hooks work as they are; comm_hooks.py). As in
+        torch, the gradients reach the hook undivided, and a DDP takes one hook."""
+        check_comm_hook(hook)
+        reduction = self._grad_sync.reduction
+        if isinstance(reduction, CommHookReduction):
+            raise UsageError("register_comm_hook can only be called once on a DistributedDataParallel "
+                             "(as in torch); register one hook that does all of the reduction")
+        if type(reduction) is not AllReduce:
+            raise ConfigError(f"{type(self).__name__} reduces its gradient buckets its own way "
+                              f"({type(reduction).__name__}); a communication hook can replace only "
+                              "the all-reduce of a plain paratrain.DistributedDataParallel")
+        self._grad_sync.set_reduction(CommHookReduction(state, hook))
 
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         """The buckets: every gradient is a view into one, so scaling or checking a few flat
