@@ -11,6 +11,8 @@ Algorithm (Li et al., "PyTorch Distributed", VLDB 2020; torch/nn/parallel/distri
 - Backward: grad_sync.py's hooks move each final gradient into its bucket and start a full
   bucket's reduction while backward goes on; when backward ends `.grad` holds the average.
 - `no_sync()`: forwards and backwards inside it only accumulate, in the buckets, locally.
+- `join()`: ranks with different numbers of batches; one that runs out mirrors the others'
+  collectives until all have (ddp_join.py, torch's Join / Joinable protocol).
 
 The reduction of a bucket is a component (`reduction=`): an all-reduce by default; hierarchical
 data parallel and ZeRO stages 1-2 pass their own, and `register_comm_hook` swaps in one of torch's
@@ -27,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils._pytree import tree_flatten, tree_map
 
 from paratrain.comm import broadcast_coalesced
@@ -35,12 +38,13 @@ from paratrain.grid import ProcessGrid
 from paratrain.parallel.base import ParallelModule, Strategy, owned
 from paratrain.parallel.buckets import DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, AllReduce, Reduction
 from paratrain.parallel.comm_hooks import CommHookReduction, check_comm_hook
+from paratrain.parallel.ddp_join import DDPJoinHook, training_rank_collectives
 from paratrain.parallel.grad_sync import GradSync
 
 _UNSUPPORTED = ("delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision")
 
 
-class DistributedDataParallel(ParallelModule):
+class DistributedDataParallel(ParallelModule, Joinable):
     """Data parallelism across processes. Arguments as torch's DistributedDataParallel:
 
     module: the model, already on this rank's device.
@@ -66,6 +70,7 @@ class DistributedDataParallel(ParallelModule):
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None, *,
                  reduction: Reduction | None = None):
         super().__init__()
+        Joinable.__init__(self)  # join() off until a Join context turns it on
         _refuse_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
                             param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision)
         if not dist.is_initialized():
@@ -79,6 +84,7 @@ class DistributedDataParallel(ParallelModule):
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = _buffer_sync_flag(broadcast_buffers, forward_sync_buffers)
         self.require_forward_param_sync = True  # broadcast buffers at the next forward (torch's name)
+        self._divide_by_initial_world_size = True  # under join(): see ddp_join.py
         self._params = [p for p in module.parameters() if p.requires_grad]
         if not self._params:
             raise ConfigError("the module has no parameter that requires a gradient; "
@@ -104,7 +110,11 @@ class DistributedDataParallel(ParallelModule):
             device = torch.device("cuda", self.device_ids[0]) if isinstance(self.device_ids[0], int) \
                 else torch.device(self.device_ids[0])
             inputs, kwargs = tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, (inputs, kwargs))
-        if self.will_sync_module_buffers():
+        ranks_training = None
+        if self._join_config.enable:  # inside join(): collectives that a joined rank mirrors
+            ranks_training = training_rank_collectives(self, Join.notify_join_context(self),
+                                                       self._divide_by_initial_world_size)
+        elif self.will_sync_module_buffers():
             self.sync_module_buffers()
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():  # a no-grad forward (evaluation) builds no backward to plan
@@ -115,7 +125,7 @@ class DistributedDataParallel(ParallelModule):
             if sync and self.find_unused_parameters:
                 used = _params_reached_from(output)
                 unused = [p for p in self._params if p not in used]
-            self._grad_sync.prepare(sync, unused)
+            self._grad_sync.prepare(sync, unused, ranks_training)
         return output
 
     def will_sync_module_buffers(self) -> bool:
@@ -141,6 +151,30 @@ class DistributedDataParallel(ParallelModule):
                               f"({type(reduction).__name__}); a communication hook can replace only "
                               "the all-reduce of a plain paratrain.DistributedDataParallel")
         self._grad_sync.set_reduction(CommHookReduction(state, hook))
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """torch's: `with ddp.join(): for batch in my_share: ...` lets ranks hold different
+        numbers of batches; one that runs out mirrors the others' collectives until all have, then
+        every rank takes the model of the last to finish (ddp_join.py).
+        divide_by_initial_world_size: average gradients over all N ranks (True; each sample
+            weighs the same) or over those still training (False).
+        throw_on_early_termination: instead, raise on every rank once one runs out."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The Joinable protocol: what a joined rank runs (kwargs: divide_by_initial_world_size)."""
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        return DDPJoinHook(self, self._grad_sync)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
 
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         """The buckets: every gradient is a view into one, so scaling or checking a few flat

@@ -140,6 +140,11 @@ class ZeroDataParallel(DistributedDataParallel):
         self.shards = [nn.Parameter(buf.view(self.replicas, -1)[self.replica_index]) for buf in self.param_buffers]
         reduction.free(self._buckets.buckets)
 
+    def join_hook(self, **kwargs: Any):
+        raise ConfigError("join() cannot mirror ZeRO's optimizer step, which all-gathers the "
+                          "parameters; give every rank the same number of batches (a loader set up "
+                          "by paratrain.Session does)")
+
     def _flatten(self, bucket: Bucket) -> torch.Tensor:
         flat = torch.zeros_like(bucket.buffer)
         for slot, p in enumerate(bucket.params):
