@@ -159,7 +159,10 @@ def parity(device: torch.device) -> dict:
     for strategy in ("ddp", "zero1", "zero2", "zero3"):
         states = run_on_ranks(_parity_rank, 2, strategy, str(device), timeout=600)
         diffs[strategy] = max(max_param_diff({k: s[k] for k in expected}, expected) for s in states)
-    return dict(ok=all(d < 1e-5 for d in diffs.values()), max_param_diff=diffs)
+    # On the CPU (the dry run) the reference's arithmetic is the ranks': 1e-6 as in tests/. On a GPU
+    # the ranks' cuBLAS kernels sum in another order than the CPU reference's, so 1e-5 there.
+    tolerance = 1e-6 if device.type == "cpu" else 1e-5
+    return dict(ok=all(d < tolerance for d in diffs.values()), max_param_diff=diffs, tolerance=tolerance)
 
 
 def nccl_world_one(dry: bool) -> dict:

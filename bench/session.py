@@ -35,8 +35,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
 import paratrain as pt  # noqa: E402
-from common import (MODELS, SEQ, bench_parser, loss_of, make_batches, parse_bench_args, print_table,  # noqa: E402
-                    summarize_times, time_interleaved, write_results)
+from common import (MODELS, SEQ, bench_parser, load_at_start, loss_of, make_batches, parse_bench_args,  # noqa: E402
+                    print_table, summarize_times, time_interleaved, write_results)
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, THREADS, LR, DATA_BATCHES = 2, 1, 1e-3, 4
@@ -149,7 +149,7 @@ def _report(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    load_before = os.getloadavg()
+    load_before = load_at_start(args)
     rows = []
     for name in args.models:
         for case in args.cases:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -106,15 +107,26 @@ def run(args: argparse.Namespace) -> int:
         torchrun.main(torchrun_argv(args))
     except ChildFailedError as e:
         return postmortem.report(e, notes)
-    except SignalException as e:  # the agent has already stopped the workers
-        print(f"paratrain run: stopped by {e.sigval.name}", file=sys.stderr)
-        return 128 + int(e.sigval)
+    except SignalException as e:  # the agent has already stopped the workers (SIGTERM, then SIGKILL)
+        return _stopped_by(e.sigval, worker.preempted_ranks(notes), args.nproc_per_node)
     except (RendezvousError, dist.DistError) as e:  # the agents never met; no worker started
         _report_no_meeting(args, e)
         return 1
     finally:
         shutil.rmtree(notes, ignore_errors=True)
     return 0
+
+
+def _stopped_by(sigval: signal.Signals, preempted: dict[int, str], local_ranks: int) -> int:
+    """0 when every rank here checkpointed on the signal and left on its own (Session(
+    checkpoint_on_preempt=...)): the job stopped as asked and resumes from that checkpoint; else
+    the shell's status for a process killed by the signal."""
+    if len(preempted) >= local_ranks:
+        print(f"paratrain run: stopped by {sigval.name}; every rank checkpointed "
+              f"({next(iter(preempted.values()))}) and exited 0", file=sys.stderr)
+        return 0
+    print(f"paratrain run: stopped by {sigval.name}", file=sys.stderr)
+    return 128 + int(sigval)
 
 
 def _report_no_meeting(args: argparse.Namespace, error: Exception) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from paratrain import worker
 from paratrain.comm import group_device
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class Preemption:
         session.print(f"preempted by {signal.Signals(signum).name}: saved {path}; resume with "
                       f"session.resume({self.root!r})")
         session.close()
+        worker.note_preempted(str(path))  # so that `paratrain run` exits 0 as well
         raise SystemExit(0)
 
     def restore(self) -> None:

@@ -108,6 +108,28 @@ def _leave_notes(directory: str, *, rank: int, attempt: int) -> None:
     atexit.register(at_exit)
 
 
+def note_preempted(checkpoint: str, env=os.environ) -> None:
+    """Tell `paratrain run` that this rank checkpointed on preemption and leaves with status 0
+    (`<pid>.preempted`): when every rank on the node did, the launcher exits 0 too, not 128+signal."""
+    if env.get(REPORT_DIR) and os.getppid() == _int_or_none(env.get(LAUNCHER_PID)):
+        _write(os.path.join(env[REPORT_DIR], f"{os.getpid()}.preempted"),
+               dict(rank=int(env.get("RANK", 0)), checkpoint=checkpoint))
+
+
+def preempted_ranks(directory: str) -> dict[int, str]:
+    """The ranks that left a `note_preempted` in `directory`, and the checkpoint each wrote."""
+    ranks = {}
+    for name in os.listdir(directory):
+        if name.endswith(".preempted"):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    note = json.load(f)
+                ranks[note["rank"]] = note["checkpoint"]
+            except (OSError, ValueError, KeyError):
+                pass  # a half-written note is no note
+    return ranks
+
+
 def _dump_stack_on_sigterm(path: str) -> None:
     """Where every thread is when the launcher stops this rank; faulthandler writes it from the
     signal handler, so it works while the main thread is blocked inside a collective."""

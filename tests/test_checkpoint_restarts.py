@@ -3,7 +3,9 @@
 - a job restarted with another `accumulate` writes step numbers below the first job's; after two
   restarts the job still ends on the newest state (point 1);
 - a byte flipped in the newest checkpoint's shard is detected, and the next job resumes from the
-  checkpoint before it, with a warning naming the damaged one (points 2 and 3).
+  checkpoint before it, with a warning naming the damaged one (points 2 and 3);
+- a NaN gradient on one rank, with a finite loss, stops the step on every rank, and the newest
+  checkpoint stays the finite one before it (point 9).
 """
 
 import os
@@ -25,9 +27,15 @@ SCRIPT = textwrap.dedent('''
     import paratrain as pt
 
     root, out, accumulate, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    poison_at = int(sys.argv[5]) if len(sys.argv) > 5 else 0  # rank 1's gradient turns NaN at this step
     session = pt.Session("ddp", accumulate=accumulate, progress_bar=False, seed=0)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    def poison(module, args, output):  # rank 1's first layer's output gradient: the loss stays finite
+        if session.micro_step + 1 == poison_at:
+            output.register_hook(lambda g: g * float("nan"))
+    if poison_at and session.rank == 1:
+        model[0].register_forward_hook(poison)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
     model, optimizer, loader = session.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2),
@@ -48,13 +56,13 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _job(tmp_path, out: str, accumulate: int, steps: int) -> str:
+def _job(tmp_path, out: str, accumulate: int, steps: int, *poison_at: int, fails: bool = False) -> str:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "--timeout", "120", str(script),
-           str(tmp_path / "ckpt"), str(tmp_path / out), str(accumulate), str(steps)]
+           str(tmp_path / "ckpt"), str(tmp_path / out), str(accumulate), str(steps), *map(str, poison_at)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert (done.returncode != 0) == fails, done.stderr[-3000:]
     return done.stdout + done.stderr
 
 
@@ -83,3 +91,17 @@ def test_a_flipped_byte_in_the_newest_shard_makes_the_next_job_resume_from_the_o
     assert "resume() skips it" in log and "resumed at micro-batch 2" in log
     # step 3 trained again from step 2, exactly as the first time (RNG and data order resume too)
     assert_same_params(torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "straight.pt"), atol=0)
+
+
+def test_a_nan_gradient_on_one_rank_stops_every_rank_and_the_newest_checkpoint_stays_finite(tmp_path):
+    log = _job(tmp_path, "poisoned.pt", 1, 5, 3, fails=True)  # rank 1's gradient is NaN in step 3 of 5
+    assert log.count("gradient is NaN or infinite although the loss was finite") >= 2  # raised on both ranks
+    assert not (tmp_path / "poisoned.pt").exists()
+    assert _steps(tmp_path) == ["step-00000001", "step-00000002"]  # step 3 never stepped nor saved
+    log = _job(tmp_path, "resumed.pt", 1, 2)  # nothing left to train: load the newest and save it
+    assert "resumed at micro-batch 2" in log
+    resumed = torch.load(tmp_path / "resumed.pt")
+    assert all(torch.isfinite(v).all() for v in resumed.values())
+    (tmp_path / "clean").mkdir()
+    _job(tmp_path / "clean", "straight.pt", 1, 2)  # the same 2 steps, never poisoned
+    assert_same_params(resumed, torch.load(tmp_path / "clean" / "straight.pt"), atol=0)

@@ -269,3 +269,17 @@ def test_torchrun_flags_pass_through(argv, expected):
 def test_bad_rendezvous_flags(argv, message, tmp_path):
     proc = paratrain(*argv, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_a_signal_exits_0_only_when_every_rank_checkpointed_on_it(capsys):
+    """`paratrain run` stopped by SIGTERM: 0 when each local rank left its preemption note (the
+    whole path is tests/test_preemption.py's), else 128 + the signal, as a shell reports it."""
+    import signal
+
+    from paratrain.launch import _stopped_by
+
+    assert _stopped_by(signal.SIGTERM, {}, 2) == 143
+    assert _stopped_by(signal.SIGTERM, {0: "ckpt/step-00000006"}, 2) == 143  # rank 1 was killed
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+    assert _stopped_by(signal.SIGUSR1, {0: "ckpt/step-00000006", 1: "ckpt/step-00000006"}, 2) == 0
+    assert "every rank checkpointed (ckpt/step-00000006) and exited 0" in capsys.readouterr().err

@@ -73,3 +73,16 @@ def test_two_ranks_learn_as_one_does(strategy, single, tmp_path):
     rows = read_rows(tmp_path)
     # same global batches and seed: equal to the single run before rounding differences grow
     assert float(rows[0]["val_loss"]) == pytest.approx(float(single[1][0]["val_loss"]), abs=1e-3)
+
+
+def test_four_stages_with_gpipe_learn(tmp_path):
+    """The example cut into 4 stages, a block each, under GPipe (the parity of both schedules at
+    2 and 4 stages with one process is tests/test_pipeline_cut.py's)."""
+    cmd = [sys.executable, "-m", "paratrain", "run", "-n", "4", "examples/gpt.py", *SMALL, "--layers", "4",  # the last wins
+           "--strategy", "pipeline", "--stages", "4", "--schedule", "gpipe", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loss = float(re.search(r"^validation loss: (\d+\.\d+)$", done.stdout, re.M).group(1))
+    assert loss < UNIFORM - 1.2
+    assert re.search(r"^tokens per second: \d+ \(4 process\(es\), strategy pipeline, ", done.stdout, re.M)
+    read_rows(tmp_path)

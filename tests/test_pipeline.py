@@ -422,3 +422,47 @@ def test_balance_by_parameters_and_by_time():
     stages = split_model(chain(), 3)
     assert [list(dict(s.named_children())) for s in stages] == [["0", "1", "2"], ["3", "4", "5"],
                                                                ["6", "7", "8"]]
+
+
+# -- replicas: a stage's full bucket starts its all-reduce while its backward continues -------------
+
+def _replica_launch_order(topo):
+    """2 stages × 2 replicas, a bucket per parameter; this stage's log of its last micro-batch's
+    backward (the one that synchronises): each bucket's all-reduce start, and a point inside it."""
+    from paratrain.parallel.buckets import AllReduce
+    from paratrain.parallel.pipeline import stage as stage_file
+
+    log: list[str] = []
+
+    class Logged(AllReduce):
+        def start(self, bucket):
+            log.append(f"start bucket {bucket.index}")
+            super().start(bucket)
+
+    stage_file.FIRST_BUCKET_BYTES, stage_file.DEFAULT_BUCKET_MB = 1, 1e-9  # this rank's process only
+    strategy = Pipeline(stages=2, schedule="1f1b", microbatches=2)
+    model = chain()
+    stage, _ = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy.grid(topo))
+    stage._grad_sync.set_reduction(Logged(group=stage.dp_group))
+    def note_middle(module, args, out):
+        out.register_hook(lambda grad: log.append("first layer's output gradient"))
+
+    next(m for m in stage.module.modules() if isinstance(m, nn.Linear)).register_forward_hook(note_middle)
+    xs, ys = batches()
+    stage.forward_backward(xs[0].chunk(2)[stage.replica_index], ys[0].chunk(2)[stage.replica_index],
+                           F.cross_entropy, 1.0)
+    log.append("forward_backward returned")
+    return log, len(stage._grad_sync.buckets.buckets)
+
+
+def test_a_replicated_stage_starts_each_full_buckets_all_reduce_while_backward_continues():
+    marker = "first layer's output gradient"
+    for log, buckets in run_on_ranks(_replica_launch_order, 4):
+        unsynced, synced = log[:log.index(marker)], log[log.index(marker) + 1:]
+        assert unsynced == [], log  # micro-batch 0's backward does not synchronise
+        middle = synced.index(marker)  # inside micro-batch 1's backward
+        # the buckets of the stage's later layers (a weight and a bias each) launch before the
+        # gradient reaches its first layer; the first layer's own two after it, still in backward
+        assert buckets > 2 and synced[:middle] == [f"start bucket {i}" for i in range(buckets - 2)], log
+        assert synced[middle + 1:] == [f"start bucket {buckets - 2}", f"start bucket {buckets - 1}",
+                                       "forward_backward returned"], log

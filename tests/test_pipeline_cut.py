@@ -1,6 +1,9 @@
 """Pipelines of models that are not an nn.Sequential: cut at named blocks, weights tied across
 stages, activations that are tuples, transformers' GPT-2; each equal to one process."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +14,7 @@ from paratrain.parallel.pipeline import Pipeline
 from paratrain.testing import RankFailure, max_param_diff, run_on_ranks
 from pipeline_models import batches, chain, next_token_loss, tiny_gpt, token_batches
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
 CLIP = 0.5  # clipping on: a tied weight must count once in the global norm
 
@@ -49,19 +53,31 @@ def _tied_chain():
     return model
 
 
+def _example_gpt():
+    """examples/gpt.py's own GPT (its head tied to the token embedding), small."""
+    spec = importlib.util.spec_from_file_location("gpt_example", os.path.join(ROOT, "examples", "gpt.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    return example.GPT(vocab=11, block=8, layers=4, width=16, heads=2)
+
+
 CASES = [
     ("tied chain", 2, 2, "1f1b", None), ("tied chain", 4, 2, "gpipe", None),
     ("gpt", 2, 2, "1f1b", None), ("gpt", 2, 2, "gpipe", ("blocks.3",)), ("gpt", 4, 4, "1f1b", None),
     ("gpt", 4, 4, "gpipe", ("blocks.1", "blocks.2", "blocks.3")), ("gpt", 4, 2, "1f1b", None),
+    ("gpt", 4, 2, "gpipe", ("blocks.2",)), ("example gpt", 2, 2, "gpipe", None),
+    ("example gpt", 4, 4, "1f1b", None), ("example gpt", 4, 2, "gpipe", None),
 ]
 MODELS = {"tied chain": (_tied_chain, batches, F.cross_entropy),
-          "gpt": (tiny_gpt, token_batches, next_token_loss)}
+          "gpt": (tiny_gpt, token_batches, next_token_loss),
+          "example gpt": (_example_gpt, token_batches, next_token_loss)}
 
 
 @pytest.mark.parametrize("name,world,stages,schedule,split_at", CASES)
 def test_a_model_cut_at_named_blocks_with_tied_weights_equals_one_process(name, world, stages, schedule, split_at):
     make, data, loss_fn = MODELS[name]
-    layers = "blocks" if name == "gpt" else None
+    layers = "blocks" if "gpt" in name else None
     strategy = Pipeline(stages=stages, schedule=schedule, microbatches=4, layers=layers, split_at=split_at)
     expected = _reference(make, data(), loss_fn)
     for state in run_on_ranks(_train, world, make, data(), loss_fn, strategy):

@@ -67,8 +67,9 @@ def test_sigterm_checkpoints_at_a_step_and_the_requeued_job_ends_as_if_never_sto
     while _step(out) < 5 and time.monotonic() < deadline:  # in the first epoch (12 steps)
         time.sleep(0.05)
     first.send_signal(signal.SIGTERM)
-    first.wait(timeout=60)
+    code = first.wait(timeout=60)
     stdout = first.stdout.read()
+    assert code == 0, f"a preempted job checkpoints and exits 0; got {code}\n" + stdout[-3000:]
     saved = re.search(r"preempted by SIGTERM: saved \S*step-(\d+)", stdout)
     assert saved, stdout + first.stderr.read()[-3000:]
     stopped_at = int(saved.group(1))  # the step being trained when the signal came, completed

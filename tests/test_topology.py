@@ -140,3 +140,4 @@ def test_subgroups_inherit_the_collective_timeout():
     with pytest.raises(RankFailure, match="rank 0"):
         run_on_ranks(_skip_on_subgroup, 4, nodes=2, timeout=60, collective_timeout=3)
     assert time.monotonic() - start < 20
+

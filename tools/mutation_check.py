@@ -66,7 +66,8 @@ MUTANTS = [
             ("        \"\"\"Wait for every launched reduction.\"\"\"\n        self.reduction.finish()",
              "        for bucket in self.buckets[self.next_to_launch:]:\n"
              "            self.reduction.start(bucket)\n        self.reduction.finish()")),
-           ("tests/test_ddp.py",)),
+           ("tests/test_ddp.py", "tests/test_pipeline.py::"
+            "test_a_replicated_stage_starts_each_full_buckets_all_reduce_while_backward_continues")),
     Mutant("1f1b-warmup", "1F1B's warm-up runs one forward too many",
            "paratrain/parallel/pipeline/schedules.py",
            (("warmup = min(stage.stages - 1 - stage.stage, m)", "warmup = min(stage.stages - stage.stage, m)"),),
@@ -117,6 +118,32 @@ MUTANTS = [
            "accumulation's start", "paratrain/resume.py",
            (("    if optimizer_step and session.accumulate > 1:", "    if False:"),),
            ("tests/test_resume.py",)),
+    # issues 14 and 18: comm hooks, join(), streams, weights tied across pipeline stages
+    Mutant("comm-hook-prescaled", "gradients enter a comm hook's bucket already divided (the hook divides again)",
+           "paratrain/parallel/comm_hooks.py",
+           (("    prescale = False  # the hook divides", "    prescale = True  # the hook divides"),),
+           ("tests/test_ddp_comm_hooks.py",)),
+    Mutant("comm-hook-value-dropped", "a hook's reduced tensor that is not the bucket (fp16 compression) is "
+           "never copied back", "paratrain/parallel/comm_hooks.py",
+           (("            bucket.buffer.copy_(value.reshape(-1))", "            pass"),),
+           ("tests/test_ddp_comm_hooks.py",)),
+    Mutant("join-divides-by-world", "under join() gradients are divided by the initial world, not the ranks "
+           "still training, even when asked otherwise", "paratrain/parallel/ddp_join.py",
+           (("    return lambda: int(_value(notified).item())", "    return None"),),
+           ("tests/test_ddp_join.py",)),
+    Mutant("stream-resume-from-start", "a resumed IterableDataset stream starts its pass again",
+           "paratrain/loader.py",
+           (("            batch = row // self.batch_size - self.skip", "            batch = row // self.batch_size"),),
+           ("tests/test_loaders.py",)),
+    Mutant("tied-grads-not-summed", "the stages holding a tied weight each step with their own gradient",
+           "paratrain/parallel/pipeline/tied.py",
+           (("            dist.all_reduce(p.grad, group=group)", "            pass"),),
+           ("tests/test_pipeline_cut.py",)),
+    Mutant("tied-norm-counted-twice", "a weight tied across stages counts once per copy in the clipping norm",
+           "paratrain/parallel/pipeline/tied.py",
+           (("        return {id(p) for p, here in zip(self.params, self.counted_here) if not here}",
+             "        return set()"),),
+           ("tests/test_pipeline_cut.py",)),
 ]
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from paratrain.comm import broadcast_coalesced
 from paratrain.errors import UsageError
 from paratrain.optim import clip_grad_norm_over
-from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, user_key
+from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, uncompiled, user_key
 from paratrain.parallel.zero.collectives import OwnerCollectives
 from paratrain.parallel.zero.flat_shard import FlatShard, ParamSlot
 from paratrain.parallel.zero.units import innermost_unit, owners_by_param, release
@@ -67,6 +68,10 @@ class FullyShardedDataParallel(ParallelModule):
         if not dist.is_initialized():
             raise UsageError("ZeRO stage 3 needs the default process group: call "
                              "paratrain.Topology.from_env().init() (or use paratrain.Session) first")
+        if uncompiled(module) is not module:  # [Note: ZeRO-3 under torch.compile]
+            warnings.warn("ZeRO-3 trains a torch.compile'd model correctly but uncompiled: its units' gather "
+                          "and free hooks cannot be traced, so the forward runs eagerly (compiling after setup "
+                          "does the same); zero2 or ddp keep the compiled graph", stacklevel=3)
         self.module, self.process_group, self.prefetch = module, process_group, prefetch
         self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.replicas, self.replica_index = self.world, self.rank
