@@ -91,8 +91,30 @@ class Branches(nn.Module):
         return ha + self.b(x)
 
 
+class Stack(nn.Module):
+    """Blocks in an nn.ModuleList that their owner's forward iterates, as nn.TransformerEncoder
+    and GPTs do: nobody calls the list itself."""
+
+    class Trunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+        def forward(self, h):
+            for block in self.blocks:
+                h = torch.tanh(block(h))
+            return h
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.trunk, self.out = nn.Linear(12, 16), self.Trunk(), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.out(self.trunk(torch.tanh(self.inp(x))))
+
+
 MODELS = {"mlp": MLP, "bn": ConvBN, "dropout": Dropout, "tied": Tied, "unused": Unused,
-          "sometimes": Sometimes, "branches": Branches}
+          "sometimes": Sometimes, "branches": Branches, "stack": Stack}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:

@@ -7,6 +7,12 @@ from dataclasses import dataclass
 from torch import nn
 
 
+# Containers whose forward nobody calls (their owner iterates them, as nn.TransformerEncoder does
+# its `layers`): a unit's gather runs in its forward hooks, which would never fire. Their members
+# may be units; their owner is chosen in their place.
+NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
+
+
 @dataclass(frozen=True)
 class WrapPolicy:
     """Which submodules become units of their own (gathered and freed on their own)."""
@@ -18,7 +24,7 @@ class WrapPolicy:
         """Names of the submodules to wrap, innermost first."""
         chosen: list[str] = []
         for name, module in reversed(list(root.named_modules())):
-            if not name:
+            if not name or isinstance(module, NEVER_CALLED):
                 continue
             if isinstance(module, self.module_classes) or self._big_enough(name, module, chosen):
                 chosen.append(name)
