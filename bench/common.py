@@ -261,12 +261,15 @@ def write_json(path: str | os.PathLike, payload: dict) -> None:
 BUSY_LOAD_PER_CORE = 0.75
 
 
-def refuse_busy_machine(args: argparse.Namespace, **loads: tuple) -> None:
+def refuse_busy_machine(args: argparse.Namespace, ranks: int = 0, **loads: tuple) -> None:
     """Stop (SystemExit) when any of `loads` (os.getloadavg() tuples, by when they were taken) has
-    a 1-minute average above BUSY_LOAD_PER_CORE × cores, unless --force was given."""
+    a 1-minute average above BUSY_LOAD_PER_CORE × cores, unless --force was given. The load taken
+    `after` the run counts the benchmark's own `ranks` too, each busy the whole run: only the load
+    beyond them is other work."""
     cores = os.cpu_count() or 1
     limit = BUSY_LOAD_PER_CORE * cores
-    busy = [f"{when} {load[0]:.2f}" for when, load in loads.items() if load[0] > limit]
+    busy = [f"{when} {load[0]:.2f}" + (f" ({load[0] - ranks:.2f} beyond its {ranks} ranks)" if when == "after" else "")
+            for when, load in loads.items() if load[0] - (ranks if when == "after" else 0) > limit]
     if busy and not args.force:
         raise SystemExit(f"not writing {args.out}: the machine is busy (1-minute load average "
                          f"{', '.join(busy)}; above {limit:.2f}, {BUSY_LOAD_PER_CORE} per core on "
@@ -282,16 +285,19 @@ def load_at_start(args: argparse.Namespace) -> tuple:
     return load
 
 
-def write_results(args: argparse.Namespace, settings: dict, load_before: tuple, **results) -> None:
+def write_results(args: argparse.Namespace, settings: dict, load_before: tuple, *, ranks: int,
+                  **results) -> None:
     """Write `settings` (with torch's version, --quick, --force and the load averages before and
     after the run) and `results` to `args.out` as JSON, and say so; refuse when the machine was
-    busy before or after, unless --force (`refuse_busy_machine`)."""
+    busy before, or after beyond the benchmark's own `ranks` (the most processes it keeps busy
+    at once), unless --force (`refuse_busy_machine`)."""
     load_after = os.getloadavg()
-    refuse_busy_machine(args, before=load_before, after=load_after)
+    refuse_busy_machine(args, ranks, before=load_before, after=load_after)
     settings = dict(settings, torch=torch.__version__, quick=args.quick, forced=args.force,
-                    load_average_before=load_before, load_average_after=load_after)
+                    load_average_before=load_before, load_average_after=load_after, busy_ranks=ranks)
     write_json(args.out, dict(settings=settings, **results))
-    print(f"wrote {args.out}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    print(f"wrote {args.out}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
+          f"(its own {ranks} ranks included)")
 
 
 def add_force(parser: argparse.ArgumentParser) -> None:

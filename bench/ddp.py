@@ -146,7 +146,7 @@ def main(argv=None) -> None:
                     warmup=args.warmup, batch_per_rank=args.batch, threads_per_rank=THREADS,
                     optimizer=f"SGD(lr={LR}, momentum=0.9)", memory_steps=MEMORY_STEPS)
     _report(models)
-    write_results(args, settings, load_before, models=models)
+    write_results(args, settings, load_before, ranks=WORLD, models=models)
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def main(argv=None) -> None:
                  ("hier_cross_mb_max_rank", "hier x-node max rank", ".1f"),
                  ("cross_ratio", "x-node ratio", ".3f"), ("flat_ms", "flat ms", ".1f"),
                  ("hier_ms", "hier ms", ".1f"), ("max_param_diff", "max diff", ".1e")])
-    write_results(args, settings, load_before, models=models)
+    write_results(args, settings, load_before, ranks=WORLD, models=models)
 
 
 if __name__ == "__main__":

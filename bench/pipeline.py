@@ -380,7 +380,7 @@ def main(argv=None) -> None:
                         ("max_param_diff", "max diff", ".1e")])
     if gpt["ratio"] > 1.0:
         print(f"targets missed: gpt 1f1b: ratio {gpt['ratio']:.3f} > 1.00")
-    write_results(args, settings, load_before, results=rows, replicas=replicated, gpt=gpt)
+    write_results(args, settings, load_before, ranks=2 * WORLD, results=rows, replicas=replicated, gpt=gpt)
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def main(argv=None) -> None:
                     batch_per_rank=args.batch, tiny_batch_per_rank=TINY_BATCH, threads_per_rank=THREADS,
                     optimizer=f"SGD(lr={LR}, momentum=0.9)")
     _report(rows)
-    write_results(args, settings, load_before, results=rows)
+    write_results(args, settings, load_before, ranks=WORLD, results=rows)
 
 
 if __name__ == "__main__":

@@ -306,7 +306,7 @@ def main(argv=None) -> None:
                     references={f"stage{s}": REFERENCE[s] for s in args.stages},
                     source=_source_version())
     _report(results)
-    write_results(args, settings, load_before, results=results)
+    write_results(args, settings, load_before, ranks=WORLD, results=results)
 
 
 if __name__ == "__main__":

@@ -22,23 +22,30 @@ def _loads(monkeypatch, now, cores=2):
     monkeypatch.setattr(os, "getloadavg", lambda: (now, 1.0, 1.0))
 
 
-@pytest.mark.parametrize("before,after,busy", [(3.1, 0.4, "before 3.10"), (0.4, 1.6, "after 1.60"),
-                                               (8.5, 10.7, "before 8.50, after 10.70")])
+@pytest.mark.parametrize("before,after,busy", [
+    (3.1, 0.4, r"before 3\.10"), (0.4, 3.6, r"after 3\.60 \(1\.60 beyond its 2 ranks\)"),
+    (8.5, 10.7, r"before 8\.50, after 10\.70 \(8\.70 beyond its 2 ranks\)")])
 def test_results_of_a_busy_machine_are_refused_naming_the_load(tmp_path, monkeypatch, before, after, busy):
-    _loads(monkeypatch, after)  # 2 cores: busy above 1.5
+    _loads(monkeypatch, after)  # 2 cores: busy above 1.5, after: beyond the benchmark's own 2 ranks
     with pytest.raises(SystemExit, match=rf"busy \(1-minute load average {busy}; above 1\.50.*--force"):
-        common.write_results(_args(tmp_path), {}, (before, 1.0, 1.0), models={})
+        common.write_results(_args(tmp_path), {}, (before, 1.0, 1.0), ranks=2, models={})
     assert not (tmp_path / "results.json").exists()
+
+
+def test_the_load_after_counts_the_benchmarks_own_ranks(tmp_path, monkeypatch):
+    _loads(monkeypatch, 3.4)  # its 2 busy ranks and 1.4 of other work: quiet enough on 2 cores
+    common.write_results(_args(tmp_path), {}, (0.3, 1.0, 1.0), ranks=2, models={})
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["busy_ranks"] == 2
 
 
 def test_a_quiet_machine_or_force_writes_the_results_with_their_loads(tmp_path, monkeypatch):
     _loads(monkeypatch, 1.5)
-    common.write_results(_args(tmp_path), {}, (0.3, 1.0, 1.0), models={})
+    common.write_results(_args(tmp_path), {}, (0.3, 1.0, 1.0), ranks=0, models={})
     settings = json.loads((tmp_path / "results.json").read_text())["settings"]
     assert settings["load_average_before"][0] == 0.3 and settings["load_average_after"][0] == 1.5
     assert settings["forced"] is False
     _loads(monkeypatch, 6.0, cores=4)  # the limit scales with the cores: 3.0 on 4
-    common.write_results(_args(tmp_path, force=True), {}, (0.3, 1.0, 1.0), models={})
+    common.write_results(_args(tmp_path, force=True), {}, (0.3, 1.0, 1.0), ranks=0, models={})
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["forced"] is True
 
 
