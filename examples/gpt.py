@@ -1,6 +1,7 @@
 """Train a tiny character-level GPT on the docstrings of Python's own standard library.
 
     paratrain run -n 2 examples/gpt.py --strategy zero3     # two processes, blocks sharded
+    paratrain run -n 2 examples/gpt.py --strategy zero3 --activation-checkpointing   # blocks recomputed
     paratrain run -n 4 examples/gpt.py --strategy pipeline --stages 4 --layers 4   # a block per stage
     python examples/gpt.py --strategy single                # one process, the reference
 
@@ -254,11 +255,14 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--sample-chars", type=int, default=200)
     parser.add_argument("--prompt", default="Return the ")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in backward instead of keeping them")
     parser.add_argument("--out", default="runs/gpt")
     args = parser.parse_args(argv)
 
     session = pt.Session(strategy=strategy_for(args.strategy, args.stages, args.schedule), seed=args.seed,
-                         max_grad_norm=args.max_grad_norm)
+                         max_grad_norm=args.max_grad_norm,
+                         activation_checkpointing="auto" if args.activation_checkpointing else None)
     train, val = datasets(stdlib_docstrings(), args.block_size, args.steps * args.batch_size, args.seed)
     model = GPT(len(ALPHABET), args.block_size, args.layers, args.width, args.heads)
     optimizer = adamw(model, args.lr)

@@ -11,6 +11,7 @@ from paratrain import worker
 
 worker.attach()  # first, before torch loads: under `paratrain run`, die with the launcher, leave notes
 
+from paratrain.activation_checkpointing import checkpoint_activations  # noqa: E402
 from paratrain.autolog import Logging  # noqa: E402
 from paratrain.comm import all_gather_with_grad, broadcast_object, mean_metrics  # noqa: E402
 from paratrain.contrastive import Gathered, gather_embeddings, nt_xent_loss
@@ -48,6 +49,6 @@ __all__ = [
     "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel", "LayersOnDevices",
     "PipelineStage",
     "shard", "full_state_dict", "WrapPolicy",
-    "GradScaler", "MetricsLogger", "Logging",
+    "GradScaler", "MetricsLogger", "Logging", "checkpoint_activations",
     "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
 ]

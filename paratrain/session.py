@@ -26,13 +26,14 @@ from torch.utils.data import DataLoader
 
 from paratrain import checkpoint
 from paratrain.accumulation import TokenWeights
+from paratrain.activation_checkpointing import Which, checkpoint_activations
 from paratrain.batch import unpack
 from paratrain.loader import shard_loader, to_device
 from paratrain.errors import ConfigError, UsageError
 from paratrain.autolog import Logging, StepMeter
 from paratrain.metrics import MetricsLogger
 from paratrain.optim import Given, describe, retire_replaced
-from paratrain.parallel.base import ParallelModule, Strategy, check_loss
+from paratrain.parallel.base import ParallelModule, Strategy, check_loss, uncompiled
 from paratrain.preemption import Preemption, after_optimizer_step
 from paratrain.precision import GradScaler, autocast_dtype, scaler_for
 from paratrain.progress import progress
@@ -68,6 +69,9 @@ class Session(JobFacts, SessionCheckpoints):
     topology: where this process sits; read from the environment when not given.
     checkpoint_on_preempt: a checkpoint root: on SIGTERM or SIGUSR1 every rank finishes the
         optimizer step, checkpoints there and exits 0, for a requeued job to resume (preemption.py).
+    activation_checkpointing: recompute these modules' activations in backward instead of keeping
+        them: "auto" (the blocks of every ModuleList of identical blocks), a module class, or a
+        predicate fn(name, module); applied in setup, under every strategy (activation_checkpointing.py).
     """
 
     def __init__(self, strategy: str | Strategy = "ddp", *, accumulate: int = 1,
@@ -75,7 +79,8 @@ class Session(JobFacts, SessionCheckpoints):
                  topology: Topology | None = None, progress_bar: bool = True, nan_check: bool = True,
                  log_dir: str | os.PathLike | None = None, debug_collectives: bool | None = None,
                  precision: str = "32", grad_scaler: GradScaler | None = None,
-                 checkpoint_on_preempt: str | os.PathLike | None = None, logging: Logging | None = None):
+                 checkpoint_on_preempt: str | os.PathLike | None = None, logging: Logging | None = None,
+                 activation_checkpointing: Which | None = None):
         if accumulate < 1:
             raise ConfigError(f"accumulate must be at least 1; got {accumulate}")
         self.precision, self.autocast_dtype = precision, autocast_dtype(precision)
@@ -102,6 +107,7 @@ class Session(JobFacts, SessionCheckpoints):
         self.given = Given(0, 0, None)  # the model and optimizer given to setup(), as given
         self.step_boundary: dict | None = None  # the loop at the last optimizer step (resume.py)
         self.preemption = Preemption(str(checkpoint_on_preempt)) if checkpoint_on_preempt else None
+        self.activation_checkpointing = activation_checkpointing
         torch.manual_seed(seed)
 
     # -- setup -----------------------------------------------------------------------------------
@@ -114,6 +120,8 @@ class Session(JobFacts, SessionCheckpoints):
             raise UsageError("setup() was already called on this session: keep using the model, "
                              "optimizer and loader it returned, or make a new Session for another model")
         self.given = describe(model, optimizer)
+        if self.activation_checkpointing is not None:
+            checkpoint_activations(uncompiled(model), self.activation_checkpointing)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid)
         retire_replaced(optimizer, self.optimizer, self.strategy.name)
         self.loader = self.shard_loader(loader) if loader is not None else None

@@ -60,10 +60,11 @@ def test_single_run_learns(single):
     assert single[0] < UNIFORM - 1.2
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3", "pipeline"])
-def test_two_ranks_learn_as_one_does(strategy, single, tmp_path):
+@pytest.mark.parametrize("strategy,extra", [("ddp", []), ("zero3", []), ("pipeline", []),
+                                            ("zero3", ["--activation-checkpointing"])])
+def test_two_ranks_learn_as_one_does(strategy, extra, single, tmp_path):
     cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "examples/gpt.py", *SMALL,
-           "--strategy", strategy, "--out", str(tmp_path)]
+           "--strategy", strategy, *extra, "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     loss = float(re.search(r"^validation loss: (\d+\.\d+)$", done.stdout, re.M).group(1))
