@@ -19,10 +19,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import random
 import shutil
 import time
 from pathlib import Path
@@ -38,10 +36,11 @@ from paratrain.checkpoint_files import (ADVICE, MARKER, CheckpointWarning, Damag
 from paratrain.checkpoint_lock import check_not_locked, lock_root, unlock_roots
 from paratrain.checkpoint_root import latest, prune, resume
 from paratrain.errors import CheckpointError, ConfigError, UsageError
+from paratrain.random_state import json_of, json_tensor
 from paratrain.state_layout import state_entries
 
 __all__ = ["save", "load", "resume", "latest", "prune", "verify", "lock_root", "unlock_roots",
-           "export_safetensors", "rng_state", "set_rng_state", "DamagedCheckpoint", "CheckpointWarning"]
+           "export_safetensors", "DamagedCheckpoint", "CheckpointWarning"]
 
 FORMAT = 1
 
@@ -56,7 +55,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     entries, shapes = state_entries(model, optimizer)
     meta = {"format": FORMAT, "world_size": world(), "shapes": {n: list(s) for n, s in shapes.items()},
             "param_groups": _hyperparameters(optimizer), "state": state or {}}
-    entries["meta/json"] = _json_tensor(meta)
+    entries["meta/json"] = json_tensor(meta)
     entries.update({f"rng/{rank()}/{k}": v for k, v in (rng or {}).items()})
     writer = _Writer(partial)
     try:
@@ -198,32 +197,6 @@ class _MetadataUnpickler(pickle.Unpickler):
                          "holds only tensors and DCP's metadata")
 
 
-def rng_state() -> dict[str, torch.Tensor]:
-    """This process's random states as uint8 tensors (torch, CUDA, Python's random, NumPy's)."""
-    import numpy as np
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    plain = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
-    state = {"torch": torch.get_rng_state(),
-             "plain": _json_tensor(plain)}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    plain = _json_of(state["plain"])
-    version, internal, gauss = plain["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = plain["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
 def _read(fn, path: Path):
     try:
         return fn()
@@ -239,7 +212,7 @@ def _read_meta(path: Path, metadata) -> dict:
         raise ConfigError(f"{path} was not written by paratrain.checkpoint.save")
     blob = torch.empty(metadata.state_dict_metadata["meta/json"].size, dtype=torch.uint8)
     _read(lambda: dcp.load({"meta/json": blob}, storage_reader=SafeReader(path)), path)
-    meta = _json_of(blob)
+    meta = json_of(blob)
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path} has checkpoint format {meta.get('format')}; this paratrain reads {FORMAT}")
     return meta
@@ -279,15 +252,6 @@ def _apply_hyperparameters(optimizer, groups: list[dict]) -> None:
                           f"{len(optimizer.param_groups)}; build the optimizer as the run that saved it")
     for mine, saved in zip(optimizer.param_groups, groups):
         mine.update(saved)  # e.g. the learning rate a scheduler had reached
-
-
-def _json_tensor(obj: Any) -> torch.Tensor:
-    """A JSON-able object as a uint8 tensor: what a checkpoint holds instead of a pickle."""
-    return torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-
-
-def _json_of(blob: torch.Tensor) -> Any:
-    return json.loads(bytes(blob.tolist()).decode())
 
 
 def _replace(partial: Path, path: Path) -> None:

@@ -42,6 +42,7 @@ from paratrain.comm import group_device
 from paratrain.loader import ShardedLoader
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.parallel.base import ParallelModule, full_state_dict
+from paratrain.random_state import rng_state, rng_tensors, set_rng_state
 from paratrain.state_layout import layout_of
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ def check_registrable(name: str, obj: Any) -> None:
 
 def position(session: "Session") -> dict:
     """Where the loop stands now: epoch, micro-step, data position, this rank's RNG states."""
-    rng = checkpoint.rng_state()
+    rng = rng_state()
     loader = session.loader if isinstance(session.loader, ShardedLoader) else None
     if loader is not None:
         rng["loader"] = loader.generator_state()
@@ -192,7 +193,7 @@ def session_state(session: "Session") -> tuple[dict, dict]:
              "optimizer": session.given.optimizer,
              "sampler": where["sampler"], "scaler": session.scaler.state_dict() if session.scaler is not None else None,
              "objects": objects}
-    return state, where["rng"]
+    return state, rng_tensors(where["rng"])
 
 
 def restore_session(session: "Session", loaded: dict, path: Any) -> None:
@@ -210,7 +211,7 @@ def restore_session(session: "Session", loaded: dict, path: Any) -> None:
     for name, obj in session.registered.items():
         obj.load_state_dict(state["objects"][name])
     if loaded["rng"]:
-        checkpoint.set_rng_state(loaded["rng"])
+        set_rng_state(loaded["rng"])
         if "loader" in loaded["rng"] and session.loader is not None:
             session.loader.generator.set_state(loaded["rng"]["loader"])
     session.step_boundary = None  # the loaded state is at an optimizer step

@@ -17,7 +17,7 @@ LAYERS = [
     {"grid"},
     {"comm"},
     {"ring", "optim", "data", "loader", "precision", "accumulation", "sinks", "metrics", "contrastive",
-     "activation_checkpointing", "materialize"},
+     "activation_checkpointing", "materialize", "random_state"},
     {"parallel.base"},
     {"parallel.*"},
     {"strategy"},

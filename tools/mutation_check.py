@@ -101,7 +101,7 @@ MUTANTS = [
            (("            last = i == self.microbatches - 1", "            last = True"),),
            ("tests/test_pipeline.py",)),
     Mutant("python-rng-not-restored", "a resume leaves Python's random where it was",
-           "paratrain/checkpoint.py",
+           "paratrain/random_state.py",
            (("    random.setstate((version, tuple(internal), gauss))", "    pass"),),
            ("tests/test_resume.py",)),
     Mutant("loader-rng-after-draw", "a checkpoint saves the loader's generator after the pass drew from it",
