@@ -2,6 +2,7 @@
 
     paratrain run -n 2 examples/gpt.py --strategy zero3     # two processes, blocks sharded
     paratrain run -n 2 examples/gpt.py --strategy zero3 --activation-checkpointing   # blocks recomputed
+    paratrain run -n 2 examples/gpt.py --strategy zero3 --meta-init   # each rank builds only its shards
     paratrain run -n 4 examples/gpt.py --strategy pipeline --stages 4 --layers 4   # a block per stage
     python examples/gpt.py --strategy single                # one process, the reference
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import csv
 import importlib.util
 import math
@@ -133,6 +135,13 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2L)
             if name.endswith(("attn.proj.weight", "mlp.2.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+
+    def init_weights(self, module: nn.Module) -> None:
+        """What __init__ does, one module at a time: the init_fn of a GPT built on the meta
+        device (--meta-init), which paratrain calls for each module a rank materialises."""
+        self._init(module)
+        if any(module is b.attn.proj or module is b.mlp[2] for b in self.blocks):
+            nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * len(self.blocks)))
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -255,6 +264,8 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--sample-chars", type=int, default=200)
     parser.add_argument("--prompt", default="Return the ")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--meta-init", action="store_true",
+                        help="build the model on the meta device: each rank materialises only what it holds")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's activations in backward instead of keeping them")
     parser.add_argument("--out", default="runs/gpt")
@@ -264,10 +275,12 @@ def main(argv: list[str] | None = None) -> float:
                          max_grad_norm=args.max_grad_norm,
                          activation_checkpointing="auto" if args.activation_checkpointing else None)
     train, val = datasets(stdlib_docstrings(), args.block_size, args.steps * args.batch_size, args.seed)
-    model = GPT(len(ALPHABET), args.block_size, args.layers, args.width, args.heads)
+    with torch.device("meta") if args.meta_init else contextlib.nullcontext():
+        model = GPT(len(ALPHABET), args.block_size, args.layers, args.width, args.heads)
     optimizer = adamw(model, args.lr)
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True)  # one epoch = --steps steps
-    model, optimizer, loader = session.setup(model, optimizer, loader)
+    model, optimizer, loader = session.setup(model, optimizer, loader,
+                                             init_fn=model.init_weights if args.meta_init else None)
     # after setup: the scheduler must drive the optimizer setup() returned (zero3 rebuilds it)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps,
                                                    pct_start=0.1)

@@ -24,6 +24,7 @@ from paratrain.errors import (
     UsageError,
 )
 from paratrain.grid import NodeGroups, ProcessGrid, node_groups
+from paratrain.materialize import materialize
 from paratrain.metrics import MetricsLogger
 from paratrain.parallel.base import ParallelModule, Strategy, full_state_dict
 from paratrain.parallel.ddp import DDP, DistributedDataParallel
@@ -49,6 +50,6 @@ __all__ = [
     "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel", "LayersOnDevices",
     "PipelineStage",
     "shard", "full_state_dict", "WrapPolicy",
-    "GradScaler", "MetricsLogger", "Logging", "checkpoint_activations",
+    "GradScaler", "MetricsLogger", "Logging", "checkpoint_activations", "materialize",
     "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
 ]

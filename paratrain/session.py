@@ -29,6 +29,7 @@ from paratrain.accumulation import TokenWeights
 from paratrain.activation_checkpointing import Which, checkpoint_activations
 from paratrain.batch import unpack
 from paratrain.loader import shard_loader, to_device
+from paratrain.materialize import MetaInit
 from paratrain.errors import ConfigError, UsageError
 from paratrain.autolog import Logging, StepMeter
 from paratrain.metrics import MetricsLogger
@@ -113,16 +114,23 @@ class Session(JobFacts, SessionCheckpoints):
     # -- setup -----------------------------------------------------------------------------------
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-              loader: DataLoader | None = None):
+              loader: DataLoader | None = None, *, init_fn: Callable[[nn.Module], None] | None = None):
         """Wrap `model` with the strategy, check `optimizer` holds its parameters, and shard
-        `loader`. Returns (model, optimizer, loader), leaving out what was not passed."""
+        `loader`. Returns (model, optimizer, loader), leaving out what was not passed.
+
+        A model built under `torch.device("meta")` is materialised here: whole under replicated
+        strategies, only this rank's shards under zero3 and its stage under a pipeline, each
+        tensor by its module's reset_parameters() and then `init_fn(module)`, seeded from the
+        session's seed and the module's path, so the values do not depend on the strategy or the
+        world size (materialize.py)."""
         if self.model is not None:
             raise UsageError("setup() was already called on this session: keep using the model, "
                              "optimizer and loader it returned, or make a new Session for another model")
         self.given = describe(model, optimizer)
         if self.activation_checkpointing is not None:
             checkpoint_activations(uncompiled(model), self.activation_checkpointing)
-        self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid)
+        self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid,
+                                                         init=MetaInit(self.seed, init_fn))
         retire_replaced(optimizer, self.optimizer, self.strategy.name)
         self.loader = self.shard_loader(loader) if loader is not None else None
         self.step_boundary = position(self) if self.accumulate > 1 else None

@@ -87,3 +87,15 @@ def test_four_stages_with_gpipe_learn(tmp_path):
     assert loss < UNIFORM - 1.2
     assert re.search(r"^tokens per second: \d+ \(4 process\(es\), strategy pipeline, ", done.stdout, re.M)
     read_rows(tmp_path)
+
+
+def test_a_meta_built_model_learns_under_zero3(tmp_path):
+    """--meta-init: every rank materialises only its shards, by the rule (its values differ from
+    the eager build's, so it is compared with learning, not with the single run)."""
+    cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "examples/gpt.py", *SMALL, "--strategy", "zero3",
+           "--meta-init", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loss = float(re.search(r"^validation loss: (\d+\.\d+)$", done.stdout, re.M).group(1))
+    assert loss < UNIFORM - 1.2
+    read_rows(tmp_path)

@@ -37,6 +37,7 @@ from torch import nn
 
 from paratrain.errors import UsageError
 from paratrain.grid import ProcessGrid
+from paratrain.materialize import MetaInit
 from paratrain.optim import check_optimizer_owns
 from paratrain.topology import Topology
 
@@ -158,10 +159,12 @@ class Strategy:
         """The rank grid this strategy slices its groups from (a pipeline sets its "pp")."""
         return ProcessGrid(topology)
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-              grid: ProcessGrid) -> tuple[ParallelModule, torch.optim.Optimizer | None]:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: ProcessGrid, *,
+              init: MetaInit | None = None) -> tuple[ParallelModule, torch.optim.Optimizer | None]:
         """The wrapped model (on this rank's device) and the optimizer that steps it. Collective:
-        every rank calls it at the same point."""
+        every rank calls it at the same point. A model built on the meta device gets its values
+        by `init`'s rule (materialize.py): whole where every rank holds all of it, only this
+        rank's part under ZeRO-3 and the pipeline."""
         raise NotImplementedError
 
 

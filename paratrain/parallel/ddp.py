@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from paratrain.comm import broadcast_coalesced
 from paratrain.errors import ConfigError, UsageError
 from paratrain.grid import ProcessGrid
+from paratrain.materialize import MetaInit, whole
 from paratrain.parallel.base import ParallelModule, Strategy, owned
 from paratrain.parallel.buckets import DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, AllReduce, Reduction
 from paratrain.parallel.comm_hooks import CommHookReduction, check_comm_hook
@@ -205,8 +206,8 @@ class DDP(Strategy):
     find_unused_parameters: bool = False  # allow parameters that get no gradient in a step
     broadcast_buffers: bool = True  # broadcast rank 0's buffers (BatchNorm statistics) each forward
 
-    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
-        wrapped = DistributedDataParallel(model.to(grid.topology.device), **self.ddp_kwargs(grid))
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
+        wrapped = DistributedDataParallel(whole(model, init).to(grid.topology.device), **self.ddp_kwargs(grid))
         return wrapped, owned(optimizer, model)
 
     def ddp_kwargs(self, grid: ProcessGrid) -> dict:

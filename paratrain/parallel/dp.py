@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from paratrain.errors import ConfigError
 from paratrain.grid import ProcessGrid
+from paratrain.materialize import MetaInit, whole
 from paratrain.parallel.base import LossFn, ParallelModule, Strategy, owned
 
 Device = torch.device | str | int
@@ -188,12 +189,12 @@ class DP(Strategy):
     output_device: str | None = None  # where outputs or losses are gathered; None: devices[0]
     balanced: bool = False  # compute the loss on each replica, gather only scalars
 
-    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
         if grid.topology.world_size > 1:
             raise ConfigError(f"strategy 'dp' drives several devices from one process, but this job "
                               f"has {grid.topology.world_size}; start one process, or use strategy='ddp'")
         devices = list(self.devices) if self.devices else (_all_cuda() or ["cpu"])
-        wrapped = DataParallel(model.to(_device(devices[0])), devices, self.output_device, balanced=self.balanced)
+        wrapped = DataParallel(whole(model, init).to(_device(devices[0])), devices, self.output_device, balanced=self.balanced)
         return wrapped, owned(optimizer, model)
 
 

@@ -43,6 +43,7 @@ from torch import nn
 from paratrain.comm import ByteCounter, all_gather_single, reduce_scatter_single, ring_bytes
 from paratrain.errors import ConfigError
 from paratrain.grid import NodeGroups, ProcessGrid
+from paratrain.materialize import MetaInit, whole
 from paratrain.parallel.base import owned
 from paratrain.parallel.buckets import Bucket, Reduction
 from paratrain.parallel.ddp import DDP, DistributedDataParallel
@@ -156,7 +157,7 @@ class Hierarchical(DDP):
 
     name = "hierarchical"
 
-    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
-        wrapped = HierarchicalDataParallel(model.to(grid.topology.device), groups=grid.node_groups(),
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
+        wrapped = HierarchicalDataParallel(whole(model, init).to(grid.topology.device), groups=grid.node_groups(),
                                            **self.ddp_kwargs(grid))
         return wrapped, owned(optimizer, model)

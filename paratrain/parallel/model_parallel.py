@@ -26,6 +26,7 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.grid import ProcessGrid
+from paratrain.materialize import MetaInit, whole
 from paratrain.parallel.base import LossFn, ParallelModule, Strategy, owned
 from paratrain.parallel.pipeline.partition import BALANCES, layer_costs, split_model
 
@@ -103,12 +104,12 @@ class ModelParallel(Strategy):
         if self.balance not in BALANCES[:2]:
             raise ConfigError(f"balance must be 'layers' or 'params'; got {self.balance!r}")
 
-    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
         if grid.topology.world_size > 1:
             raise ConfigError(f"strategy 'model-parallel' runs in one process, but this job has "
                               f"{grid.topology.world_size}; start one process, or use "
                               "pt.Pipeline(stages=...) to spread stages over processes")
-        wrapped = LayersOnDevices(model, self._devices(), microbatches=self.microbatches, balance=self.balance)
+        wrapped = LayersOnDevices(whole(model, init), self._devices(), microbatches=self.microbatches, balance=self.balance)
         return wrapped, owned(optimizer, model)
 
     def _devices(self) -> tuple[str, ...]:

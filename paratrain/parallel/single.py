@@ -10,6 +10,7 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.grid import ProcessGrid
+from paratrain.materialize import MetaInit, whole
 from paratrain.parallel.base import ParallelModule, Strategy, owned
 
 
@@ -30,8 +31,8 @@ class Single(Strategy):
 
     name = "single"
 
-    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
         if grid.topology.world_size > 1:
             raise ConfigError(f"strategy 'single' runs one process, but this job has "
                               f"{grid.topology.world_size}; use strategy='ddp' or start one process")
-        return SingleDevice(model.to(grid.topology.device)), owned(optimizer, model)
+        return SingleDevice(whole(model, init).to(grid.topology.device)), owned(optimizer, model)

@@ -23,6 +23,7 @@ from paratrain import comm
 from paratrain.comm import broadcast_coalesced
 from paratrain.errors import ConfigError
 from paratrain.grid import ProcessGrid
+from paratrain.materialize import Materializer, MetaInit, has_meta
 from paratrain.optim import rebuild_optimizer
 from paratrain.parallel.base import Strategy, uncompiled
 from paratrain.parallel.pipeline.adapters import cut_for
@@ -63,15 +64,19 @@ class Pipeline(Strategy):
         """Rows of `stages` ranks are pipelines; the rest of the world is replicas."""
         return ProcessGrid(topology, pp=self.stages)
 
-    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
         """This rank's stage on its device, its replicas starting from the first replica's
         parameters, its tied weights from the lowest stage holding them, and the optimizer
         rebuilt for the stage (`stage_optimizer`). Collective: every rank asks the grid for the
         same groups, in the same order."""
-        names = {p: n for n, p in model.named_parameters()}  # a tied weight: its first name
+        whole = model if isinstance(model, nn.Module) else nn.ModuleList(model)  # or a list of stages
+        names = {p: n for n, p in whole.named_parameters()}  # a tied weight: its first name
+        materializer = Materializer(whole, init) if has_meta(whole) else None  # read while whole
         plan = self._plan(model)
         tied = holders(plan.holdings)
         module, run = plan.build(grid.stage)
+        if materializer is not None:  # a meta-built model: this stage's parts only (materialize.py)
+            materializer.materialize([*module.parameters(), *module.buffers()])
         module = module.to(grid.topology.device)
         (pipe_group, _), (dp_group, _) = grid.group("pp"), grid.group("dp")
         tied_weights = TiedWeights()

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paratrain.comm import group_device
 from paratrain.errors import ConfigError
 from paratrain.grid import ProcessGrid
+from paratrain.materialize import MetaInit, has_meta, whole
 from paratrain.optim import rebuild_optimizer
 from paratrain.parallel.base import Strategy
 from paratrain.parallel.zero.collectives import OwnerCollectives
@@ -39,7 +41,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
           bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
           wrap_policy: WrapPolicy | None = None, prefetch: bool = True,
           param_dtype: torch.dtype | None = None, offload: bool = False,
-          collectives: OwnerCollectives | None = None):
+          collectives: OwnerCollectives | None = None, init: MetaInit | None = None,
+          device: torch.device | None = None):
     """Shard `model` (already on this rank's device) and `optimizer` (made from its parameters)
     over the data-parallel group. Returns (model, optimizer): train with those two, as usual.
 
@@ -51,10 +54,17 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
     bf16/fp16 while the shards and the optimizer state stay fp32) and `offload` (shards,
     gradients and optimizer state in CPU memory). `collectives`: which collectives move slices
     to and from their owners (default: what is fastest on the group's backend).
+
+    A model built on the meta device gets its values by `init`'s rule (materialize.py) on
+    `device` (default: the group's): whole for stages 1 and 2, and for stage 3 unit by unit,
+    each rank keeping only its shards.
     """
+    device = device or group_device(process_group)
     if stage in (1, 2):
         if param_dtype is not None or offload:
             raise ConfigError(f"param_dtype and offload are implemented for stage 3; got stage {stage}")
+        if has_meta(model):
+            model = whole(model, init).to(device)
         return shard_data_parallel(model, optimizer, stage=stage, process_group=process_group,
                                    bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
                                    collectives=collectives)
@@ -62,7 +72,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
         wrapped = FullyShardedDataParallel(model, group_of=param_groups_of(model, optimizer),
                                            process_group=process_group, wrap_policy=wrap_policy,
                                            prefetch=prefetch, param_dtype=param_dtype, offload=offload,
-                                           collectives=collectives)
+                                           collectives=collectives, init=init, device=device)
         return wrapped, rebuild_optimizer(optimizer, [
             [s for s, g in zip(wrapped.shards, wrapped.shard_groups) if g == index]
             for index in range(len(optimizer.param_groups))])
@@ -87,9 +97,11 @@ class ZeRO(Strategy):
     def name(self) -> str:
         return f"zero{self.stage}"
 
-    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid):
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
         if optimizer is None:
             raise ConfigError(f"{self.name} shards the optimizer: pass it to setup(model, optimizer, …)")
-        return shard(model.to(grid.topology.device), optimizer, stage=self.stage,
+        device = grid.topology.device
+        return shard(model if has_meta(model) else model.to(device), optimizer, stage=self.stage,
                      bucket_cap_mb=self.bucket_cap_mb, wrap_policy=self.wrap_policy, prefetch=self.prefetch,
-                     param_dtype=self.param_dtype, offload=self.offload, collectives=self.collectives)
+                     param_dtype=self.param_dtype, offload=self.offload, collectives=self.collectives,
+                     init=init, device=device)

@@ -32,8 +32,9 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
-from paratrain.comm import broadcast_coalesced
+from paratrain.comm import broadcast_coalesced, group_device
 from paratrain.errors import UsageError
+from paratrain.materialize import Materializer, MetaInit, has_meta
 from paratrain.optim import clip_grad_norm_over
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, uncompiled, user_key
 from paratrain.parallel.zero.collectives import OwnerCollectives
@@ -63,20 +64,24 @@ class FullyShardedDataParallel(ParallelModule):
     def __init__(self, module: nn.Module, *, group_of: dict[nn.Parameter, int] | None = None,
                  process_group=None, wrap_policy: WrapPolicy | None = None, prefetch: bool = True,
                  param_dtype: torch.dtype | None = None, offload: bool = False,
-                 collectives: OwnerCollectives | None = None):
+                 collectives: OwnerCollectives | None = None, init: MetaInit | None = None,
+                 device: torch.device | None = None):
         super().__init__()
         if not dist.is_initialized():
             raise UsageError("ZeRO stage 3 needs the default process group: call "
                              "paratrain.Topology.from_env().init() (or use paratrain.Session) first")
         if uncompiled(module) is not module:  # [Note: ZeRO-3 under torch.compile]
-            warnings.warn("ZeRO-3 trains a torch.compile'd model correctly but uncompiled: its units' gather "
-                          "and free hooks cannot be traced, so the forward runs eagerly (compiling after setup "
-                          "does the same); zero2 or ddp keep the compiled graph", stacklevel=3)
+            warnings.warn("ZeRO-3 trains a torch.compile'd model correctly but uncompiled (its gather hooks cannot "
+                          "be traced; compiling after setup too): zero2 or ddp keep the compiled graph", stacklevel=3)
         self.module, self.process_group, self.prefetch = module, process_group, prefetch
         self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.replicas, self.replica_index = self.world, self.rank
         self.collectives = collectives or OwnerCollectives.for_group(process_group)
-        broadcast_coalesced(list(module.parameters()) + list(module.buffers()), process_group)
+        # a meta-built model: made unit by unit in _build_units, by a rule equal on every rank
+        self._materializer = Materializer(module, init) if has_meta(module) else None
+        self._device = device or group_device(process_group)
+        if self._materializer is None:
+            broadcast_coalesced(list(module.parameters()) + list(module.buffers()), process_group)
         self._key_order = list(module.state_dict().keys())
         group_of = group_of or {p: 0 for p in module.parameters()}
         self.shard_groups: list[int] = []  # the optimizer param group of each shard
@@ -106,6 +111,8 @@ class FullyShardedDataParallel(ParallelModule):
         units = []
         for name in names + [""]:
             module = self.module.get_submodule(name) if name else self.module
+            if self._materializer is not None:  # the unit's parameters and buffers under it; at the root, the rest
+                self._materializer.materialize(by_unit[name] + list(module.buffers()) if name else None, self._device)
             flats = []
             for group in sorted({group_of[p] for p in by_unit[name]}):
                 params = [p for p in by_unit[name] if group_of[p] == group]

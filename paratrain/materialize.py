@@ -1,0 +1,141 @@
+"""Models built on the meta device: real memory and values for exactly the tensors a rank holds.
+
+    with torch.device("meta"):
+        model = GPT(config)                       # no memory: shapes only
+    model, optimizer = session.setup(model, optimizer)   # zero3: each rank builds its shard
+
+[Note: the initialisation rule]
+Every tensor (parameter or buffer) is initialised by its owner: the module under which the whole
+model first lists it (`named_modules()` order; a weight tied to another belongs to the first of
+them). The owner's `reset_parameters()` runs (or nn.MultiheadAttention's `_reset_parameters()`),
+then the user's `init_fn(owner)` if one was given, on the CPU, with torch's generator seeded from
+(seed, the owner's path in the whole model) for that call alone. While the call runs, every
+tensor the owner holds directly is real, so it draws the same random numbers whatever else
+exists yet; what it writes to tensors it does not own is put back. So a value depends on the
+seed, the model and its path only: not on the strategy, the world size, which part a rank builds
+or in what order, nor the device. The reference for a sharded run is the same model
+materialised whole by the same rule (`Materializer(model).materialize()`).
+
+A module that owns a meta tensor, has no reset_parameters() and is given no init_fn is refused,
+naming it: its values would be whatever the memory held.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from paratrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MetaInit:
+    """How a meta-built model gets its values ([Note: the initialisation rule])."""
+
+    seed: int = 0  # the session's seed
+    init_fn: Callable[[nn.Module], None] | None = None  # runs after each owner's reset_parameters()
+
+
+def has_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of `module` is on the meta device."""
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def direct_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers `module` holds itself (not its children's)."""
+    return [t for t in itertools.chain(module._parameters.values(), module._buffers.values()) if t is not None]
+
+
+class Materializer:
+    """The owners of a whole model's tensors, read while the model is whole, to materialise any
+    part of it later (a ZeRO-3 unit, a pipeline stage) by the rule."""
+
+    def __init__(self, model: nn.Module, init: MetaInit | None = None):
+        self.model, self.init = model, init or MetaInit()
+        self._owner: dict[int, tuple[int, str, nn.Module]] = {}  # id(tensor) → (order, path, owner)
+        for order, (path, module) in enumerate(model.named_modules(remove_duplicate=False)):
+            for t in direct_tensors(module):
+                self._owner.setdefault(id(t), (order, path, module))
+
+    def materialize(self, tensors: Iterable[torch.Tensor] | None = None,
+                    device: torch.device | None = None) -> None:
+        """Give `tensors` (default: every meta tensor of the model) memory on `device` (default
+        the CPU) and their values by the rule; tensors already real are left alone."""
+        todo = [t for t in (tensors if tensors is not None else self._all()) if t.is_meta]
+        for t in todo:
+            _swap(t, "cpu")
+        mine = {id(t) for t in todo}
+        owners = {self._owner[i][0]: self._owner[i][1:] for i in mine}  # whole-model order → (path, owner)
+        for order in sorted(owners):
+            self._initialise(*owners[order], mine)
+        if device is not None and torch.device(device).type != "cpu":
+            for t in todo:
+                _swap(t, device)
+
+    def _all(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+            seen.setdefault(id(t), t)
+        return list(seen.values())
+
+    def _initialise(self, path: str, owner: nn.Module, mine: set[int]) -> None:
+        reset = getattr(owner, "reset_parameters", None) or getattr(owner, "_reset_parameters", None)
+        if not callable(reset) and self.init.init_fn is None:
+            held = [n for n, t in itertools.chain(owner._parameters.items(), owner._buffers.items())
+                    if t is not None and id(t) in mine]
+            raise ConfigError(f"{path or 'the model'} ({type(owner).__name__}) holds {', '.join(held)} on the "
+                              "meta device but has no reset_parameters() to initialise them: pass "
+                              "setup(..., init_fn=fn), where fn(module) sets the values of what a module holds")
+        # what it holds but does not own now (another module's, a weight tied to it; or built
+        # before, or to be built later) is written by its reset too, and put back after
+        others = [t for t in direct_tensors(owner) if id(t) not in mine or self._owner[id(t)][2] is not owner]
+        kept = [t.detach().clone() if not t.is_meta else None for t in others]
+        for t in others:
+            if t.is_meta:  # real while the owner draws, so it draws what it draws on a whole model
+                _swap(t, "cpu")
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(owner_seed(self.init.seed, path))
+            if callable(reset):
+                reset()
+            if self.init.init_fn is not None:
+                self.init.init_fn(owner)
+        for t, value in zip(others, kept):
+            if value is None:
+                _swap(t, "meta")
+            else:
+                t.detach().copy_(value)
+
+
+def owner_seed(seed: int, path: str) -> int:
+    """The generator seed of the module at `path`: a stable hash, the same in every process."""
+    digest = hashlib.sha256(f"{seed}:{path}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**63)
+
+
+def _swap(t: torch.Tensor, device: torch.device | str) -> None:
+    """Move `t` to `device` in place, every module holding that tensor object (a tied weight too)
+    seeing the new one; to or from the meta device the new memory is uninitialised."""
+    keep_values = not t.is_meta and torch.device(device).type != "meta"
+    new = t.detach().to(device) if keep_values else torch.empty_like(t, device=device)
+    if isinstance(t, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=t.requires_grad)
+    torch.utils.swap_tensors(t, new)
+
+
+def whole(model: nn.Module, init: MetaInit | None = None) -> nn.Module:
+    """`model` with every meta tensor materialised by the rule, on the CPU: what strategies that
+    hold the whole model on every rank do first (`.to(device)` follows)."""
+    if has_meta(model):
+        Materializer(model, init).materialize()
+    return model
+
+
+def materialize(model: nn.Module, *, seed: int = 0, init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """`model`, built on the meta device, materialised whole on the CPU by the rule: the reference
+    a sharded run of the same model with the same seed and init_fn equals."""
+    return whole(model, MetaInit(seed, init_fn))
