@@ -1,6 +1,7 @@
 """Benchmark: what `Session.train_step` costs over the plain loop it replaces, same wrapper.
 
     python bench/session.py [--rounds 5] [--steps 10] [--batch 128] [--out bench/results/session.json] [--quick]
+    python bench/session.py --no-nan-check --out bench/results/session_no_nan_check.json
 
 World 2 on gloo, one thread per rank, ranks started by `paratrain.testing.run_on_ranks`. For
 each model (bench/common.py's MLP of 18.9 M parameters and GPT of 9.7 M, and a tiny MLP
@@ -12,7 +13,9 @@ each model (bench/common.py's MLP of 18.9 M parameters and GPT of 9.7 M, and a t
 
 against `Session(strategy, accumulate=…)` with the same model copy and optimizer settings calling
 `session.train_step((x, y), loss_fn)` once per micro-batch, with every check on (nan_check,
-the finite-gradient check, the loss checks). Both sides see the same batches; after `--warmup`
+the finite-gradient check, the loss checks; `--no-nan-check` turns them off, to show what they
+cost: one read of the gradients this rank holds per optimizer step and, where they are sharded,
+one all-reduce of a flag). Both sides see the same batches; after `--warmup`
 untimed optimizer steps each, `--rounds` interleaved rounds of `--steps` optimizer steps each
 (bench/common.py `time_interleaved`; a step as long as its slowest rank, medians).
 
@@ -92,8 +95,8 @@ def _plain(model: nn.Module, strategy: str, accumulate: int):
     return step, wrapped
 
 
-def _session(topo, model: nn.Module, strategy: str, accumulate: int):
-    session = pt.Session(strategy, accumulate=accumulate, topology=topo, progress_bar=False)
+def _session(topo, model: nn.Module, strategy: str, accumulate: int, nan_check: bool = True):
+    session = pt.Session(strategy, accumulate=accumulate, topology=topo, progress_bar=False, nan_check=nan_check)
     wrapped, _ = session.setup(model, _optimizer(model))
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -104,12 +107,12 @@ def _session(topo, model: nn.Module, strategy: str, accumulate: int):
     return step, session
 
 
-def speed(topo, name: str, case: str, batch: int, warmup: int, rounds: int, steps: int) -> dict:
+def speed(topo, name: str, case: str, batch: int, warmup: int, rounds: int, steps: int, nan_check: bool) -> dict:
     """Both loops on deep copies of one model, interleaved; the parameters compared after."""
     strategy, accumulate = CASES[case]
     model = _model(name)
     plain, wrapped = _plain(copy.deepcopy(model), strategy, accumulate)
-    ours, session = _session(topo, copy.deepcopy(model), strategy, accumulate)
+    ours, session = _session(topo, copy.deepcopy(model), strategy, accumulate, nan_check)
     # one optimizer step takes `accumulate` micro-batches of the per-rank batch
     data = [(torch.cat([x] * accumulate), torch.cat([y] * accumulate))
             for x, y in _batches(name, batch, seed=100 + topo.rank)]
@@ -119,7 +122,7 @@ def speed(topo, name: str, case: str, batch: int, warmup: int, rounds: int, step
 
 def bench_case(name: str, case: str, args) -> dict:
     results = run_on_ranks(speed, WORLD, name, case, args.batch, args.warmup, args.rounds, args.steps,
-                           threads=THREADS, timeout=1200, collective_timeout=300)
+                           not args.no_nan_check, threads=THREADS, timeout=1200, collective_timeout=300)
     times = summarize_times(results, ["plain", "session"], args.steps)
     accumulate = CASES[case][1]
     return dict(model=name, case=case, accumulate=accumulate, ratio=times["session_ms"] / times["plain_ms"],
@@ -131,6 +134,8 @@ def _parse_args(argv) -> argparse.Namespace:
     parser = bench_parser(__doc__, out_name="session.json", rounds=5, steps=10, warmup=3, batch=128)
     parser.add_argument("--models", nargs="+", default=["tiny", *MODELS], help="models to run")
     parser.add_argument("--cases", nargs="+", default=list(CASES), help="cases to run")
+    parser.add_argument("--no-nan-check", action="store_true",
+                        help="the session without its NaN checks (Session(nan_check=False)): what they cost")
     return parse_bench_args(parser, argv, quick=dict(rounds=2, steps=2, warmup=1, batch=SEQ))
 
 
@@ -157,7 +162,7 @@ def main(argv=None) -> None:
             rows.append(bench_case(name, case, args))
     settings = dict(world=WORLD, backend="gloo", rounds=args.rounds, steps=args.steps, warmup=args.warmup,
                     batch_per_rank=args.batch, tiny_batch_per_rank=TINY_BATCH, threads_per_rank=THREADS,
-                    optimizer=f"SGD(lr={LR}, momentum=0.9)")
+                    optimizer=f"SGD(lr={LR}, momentum=0.9)", nan_check=not args.no_nan_check)
     _report(rows)
     write_results(args, settings, load_before, ranks=WORLD, results=rows)
 
