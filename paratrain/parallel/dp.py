@@ -194,7 +194,8 @@ class DP(Strategy):
             raise ConfigError(f"strategy 'dp' drives several devices from one process, but this job "
                               f"has {grid.topology.world_size}; start one process, or use strategy='ddp'")
         devices = list(self.devices) if self.devices else (_all_cuda() or ["cpu"])
-        wrapped = DataParallel(whole(model, init).to(_device(devices[0])), devices, self.output_device, balanced=self.balanced)
+        wrapped = DataParallel(whole(model, init).to(_device(devices[0])), devices, self.output_device,
+                               balanced=self.balanced)
         return wrapped, owned(optimizer, model)
 
 

@@ -158,6 +158,6 @@ class Hierarchical(DDP):
     name = "hierarchical"
 
     def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
-        wrapped = HierarchicalDataParallel(whole(model, init).to(grid.topology.device), groups=grid.node_groups(),
-                                           **self.ddp_kwargs(grid))
+        wrapped = HierarchicalDataParallel(whole(model, init).to(grid.topology.device),
+                                           groups=grid.node_groups(), **self.ddp_kwargs(grid))
         return wrapped, owned(optimizer, model)

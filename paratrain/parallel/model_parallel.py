@@ -109,7 +109,8 @@ class ModelParallel(Strategy):
             raise ConfigError(f"strategy 'model-parallel' runs in one process, but this job has "
                               f"{grid.topology.world_size}; start one process, or use "
                               "pt.Pipeline(stages=...) to spread stages over processes")
-        wrapped = LayersOnDevices(whole(model, init), self._devices(), microbatches=self.microbatches, balance=self.balance)
+        wrapped = LayersOnDevices(whole(model, init), self._devices(), microbatches=self.microbatches,
+                                  balance=self.balance)
         return wrapped, owned(optimizer, model)
 
     def _devices(self) -> tuple[str, ...]:

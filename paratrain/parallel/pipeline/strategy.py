@@ -69,9 +69,9 @@ class Pipeline(Strategy):
         parameters, its tied weights from the lowest stage holding them, and the optimizer
         rebuilt for the stage (`stage_optimizer`). Collective: every rank asks the grid for the
         same groups, in the same order."""
-        whole = model if isinstance(model, nn.Module) else nn.ModuleList(model)  # or a list of stages
-        names = {p: n for n, p in whole.named_parameters()}  # a tied weight: its first name
-        materializer = Materializer(whole, init) if has_meta(whole) else None  # read while whole
+        entire = model if isinstance(model, nn.Module) else nn.ModuleList(model)  # or a list of stages
+        names = {p: n for n, p in entire.named_parameters()}  # a tied weight: its first name
+        materializer = Materializer(entire, init) if has_meta(entire) else None  # read while whole
         plan = self._plan(model)
         tied = holders(plan.holdings)
         module, run = plan.build(grid.stage)
