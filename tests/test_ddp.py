@@ -270,3 +270,46 @@ def test_buckets_are_rebuilt_in_rank_0s_arrival_order_on_every_rank():
     ref = reference("branches", "sgd", world=2, accumulate=1, steps=STEPS, global_batch=GLOBAL_BATCH)
     for state in (state0, state1):
         assert_same_params(state, ref, atol=1e-6)  # measured: 3.0e-8
+
+
+def _rebuild_memory(topo, zero_grad: bool):
+    """The first backward's single bucket (torch's layout before its rebuild), then the rebuild
+    at the next forward: the old layout's memory is freed before the new one is allocated when
+    no gradient needs carrying over; with gradients kept, they move into the new layout."""
+    import weakref
+
+    ddp = pt.DistributedDataParallel(make_model("mlp"), bucket_cap_mb=0.0005)
+    xs, ys = make_batches(2, 8)
+    F.cross_entropy(ddp(xs[0]), ys[0]).backward()
+    kept = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+    if zero_grad:
+        ddp.zero_grad(set_to_none=True)
+    old = ddp._buckets.buckets[0].buffer
+    first = (len(ddp._buckets.buckets), old.numel())
+    old, freed = weakref.ref(old), []
+    real_zeros = torch.zeros
+
+    def zeros(*args, **kwargs):  # each new bucket buffer: was the old layout freed by then?
+        freed.append(old() is None)
+        return real_zeros(*args, **kwargs)
+
+    torch.zeros = zeros
+    try:
+        with ddp.no_sync():
+            out = ddp(xs[1])  # the forward that rebuilds
+    finally:
+        torch.zeros = real_zeros
+    sizes = [b.buffer.numel() for b in ddp._buckets.buckets]
+    carried = all(torch.equal(p.grad, kept[n]) for n, p in ddp.module.named_parameters()) if not zero_grad else None
+    return first, len(sizes), freed, carried, out.shape
+
+
+@pytest.mark.parametrize("zero_grad", [True, False])
+def test_the_rebuild_frees_the_first_layout_before_building_when_no_gradient_is_held(zero_grad):
+    (first, rebuilt, freed, carried, _), = run_on_ranks(_rebuild_memory, 1, zero_grad)
+    params = sum(p.numel() for p in make_model("mlp").parameters())
+    assert first == (1, params) and rebuilt > 1  # one bucket for all, then caps of 0.0005 MiB
+    if zero_grad:
+        assert freed and all(freed)  # never both layouts at once
+    else:
+        assert carried  # the accumulated gradients moved into the new buckets

@@ -135,6 +135,10 @@ MUTANTS = [
            "paratrain/loader.py",
            (("            batch = row // self.batch_size - self.skip", "            batch = row // self.batch_size"),),
            ("tests/test_loaders.py",)),
+    Mutant("rebuild-holds-two-layouts", "DDP's bucket rebuild allocates the new layout while the first one "
+           "is still alive (a second gradient's worth of memory at its peak)", "paratrain/parallel/grad_sync.py",
+           (("            self.buckets = None  # free the old layout first", "            pass  # free the old layout first"),),
+           ("tests/test_ddp.py",)),
     Mutant("unit-never-called", "ZeRO-3 makes a ModuleList a unit, whose forward hooks never fire",
            "paratrain/parallel/zero/wrap_policy.py",
            (("            if not name or isinstance(module, NEVER_CALLED):", "            if not name:"),),

@@ -192,4 +192,6 @@ class GradSync:
             comm.broadcast(order, 0, self.group)
         self._order = None
         layout = assign([self.params[i] for i in order.tolist()], self.caps, self.reduction.key)
+        if all(p.grad is None for p in self.params):  # nothing to carry over (zero_grad(set_to_none)):
+            self.buckets = None  # free the old layout first, so memory peaks at one layout, not two
         self.buckets = GradBuckets.build(layout, self.reduction, self._scale())
