@@ -18,9 +18,18 @@ def _bf16_for_torch(state, bucket):
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
+def _mean_in_a_new_tensor(state, bucket):
+    """A user's hook whose result is a tensor of its own, not the bucket: the reducer must copy it
+    back into the bucket (torch's own hooks write their result into the bucket themselves)."""
+    mean = bucket.buffer() / dist.get_world_size()
+    return dist.all_reduce(mean, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
 def _hook(kind: str, impl: str):
     """(state, hook) of one kind, fresh: PowerSGD's state (error feedback, warm start, its RNG)
     belongs to one DDP. Compression starts at step 2, after the bucket rebuild (torch asks that)."""
+    if kind == "own-tensor":
+        return None, _mean_in_a_new_tensor
     if kind == "powersgd":
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                        start_powerSGD_iter=2, min_compression_rate=0.5)
@@ -54,7 +63,7 @@ def _both(topo, *setting):
 CASES = [(kind, "mlp", 0.0005, 1, False) for kind in ("allreduce", "fp16", "bf16")]
 CASES += [("powersgd", "mlp", None, 1, False), ("powersgd", "tied", None, 2, False),
           ("fp16", "bn", 0.0005, 2, False), ("allreduce", "sometimes", 0.0005, 1, False),
-          ("fp16", "mlp", 0.0005, 1, True)]
+          ("fp16", "mlp", 0.0005, 1, True), ("own-tensor", "mlp", 0.0005, 1, False)]
 
 
 @pytest.mark.parametrize("world", [2, 3])

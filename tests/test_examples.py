@@ -61,7 +61,7 @@ def test_readme_ddp_table_is_consistent_with_bench_json():
 
     readme = open(os.path.join(ROOT, "README.md")).read()
     results = json.load(open(os.path.join(ROOT, "bench", "results", "ddp.json")))["models"]
-    for label, name in [("MLP", "mlp"), ("small GPT", "transformer")]:
+    for label, name in [("MLP", "mlp"), ("small GPT", "transformer"), ("MLP, bf16 hook", "mlp+bf16")]:
         m = results[name]
         row = re.search(rf"^\| {label} \| .*$", readme, re.M).group(0)
         assert f"| {m['ours_ms']:.1f} | {m['torch_ms']:.1f} | {m['ratio']:.3f} |" in row
@@ -80,6 +80,14 @@ def test_readme_pipeline_table_is_consistent_with_bench_json():
                f"{r['ratio']:.3f} | {max(r['ours_peak_mb']):.1f} | {max(r['torch_peak_mb']):.1f} |")
         assert row in readme
         assert r["ratio"] <= 1.0 and r["max_param_diff"] == 0
+    r = bench["replicas"]  # 2 stages x 2 replicas, gradients through DDP's buckets
+    assert (f"| {r['schedule']} | {r['stages']} × {r['replicas']} | {r['microbatches']} | {r['ours_ms']:.1f} | "
+            f"{r['torch_ms']:.1f} | {r['ratio']:.3f} | {r['max_param_diff']:.0e} |") in readme
+    g = bench["gpt"]  # a GPT cut at a named block, against torch.distributed.pipelining at the same point
+    assert (f"| {', '.join(g['split_at'])} | {g['schedule']} | {g['microbatches']} | {g['ours_ms']:.1f} | "
+            f"{g['torch_ms']:.1f} | {g['ratio']:.3f} | {g['max_param_diff']:.0e} |") in readme
+    assert g["ratio"] <= 1.0 and g["max_param_diff"] == 0
+    assert r["max_param_diff"] <= 1e-6  # against torch's DDP over the replicas: other bucket sums (2.4e-7)
 
 
 def test_readme_zero_table_is_consistent_with_bench_json():
@@ -99,3 +107,22 @@ def test_readme_zero_table_is_consistent_with_bench_json():
             assert row in readme, row
             rows += 1
     assert rows == len(re.findall(r"^\| [123] \| (MLP|small GPT) ", readme, re.M)) == 6
+
+
+def test_readme_session_table_is_consistent_with_bench_json():
+    import json
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    bench = json.load(open(os.path.join(ROOT, "bench", "results", "session.json")))
+    off = json.load(open(os.path.join(ROOT, "bench", "results", "session_no_nan_check.json")))
+    assert not bench["settings"]["quick"] and not off["settings"]["quick"]
+    assert bench["settings"].get("nan_check", True) and off["settings"]["nan_check"] is False
+    labels = {"tiny": "tiny MLP", "mlp": "MLP 18.9 M", "transformer": "small GPT 9.7 M"}
+    for r in bench["results"]:
+        o = next(x for x in off["results"] if (x["model"], x["case"]) == (r["model"], r["case"]))
+        row = (f"| {labels[r['model']]} | {r['case']} | {r['plain_ms']:.2f} | {r['session_ms']:.2f} | {r['ratio']:.3f} | "
+               f"{r['added_ms_per_microbatch']:.3f} | {o['ratio']:.3f} |")
+        assert row in readme, row
+        assert r["max_param_diff"] == 0 and o["max_param_diff"] == 0  # the same steps as the plain loop
+    rows = re.findall(r"^\| (?:tiny MLP|MLP 18\.9 M|small GPT 9\.7 M) \| (?:ddp|zero2|zero3|ddp-acc4) \|", readme, re.M)
+    assert len(rows) == len(bench["results"]) == 12

@@ -123,7 +123,7 @@ MUTANTS = [
            "paratrain/parallel/comm_hooks.py",
            (("    prescale = False  # the hook divides", "    prescale = True  # the hook divides"),),
            ("tests/test_ddp_comm_hooks.py",)),
-    Mutant("comm-hook-value-dropped", "a hook's reduced tensor that is not the bucket (fp16 compression) is "
+    Mutant("comm-hook-value-dropped", "a hook's reduced tensor that is not the bucket (a user's hook; torch's write into it) is "
            "never copied back", "paratrain/parallel/comm_hooks.py",
            (("            bucket.buffer.copy_(value.reshape(-1))", "            pass"),),
            ("tests/test_ddp_comm_hooks.py",)),
