@@ -39,7 +39,7 @@ from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.random_state import json_of, json_tensor
 from paratrain.state_layout import state_entries
 
-__all__ = ["save", "load", "resume", "latest", "prune", "verify", "lock_root", "unlock_roots",
+__all__ = ["save", "load", "resume", "latest", "prune", "verify", "describe", "lock_root", "unlock_roots",
            "export_safetensors", "DamagedCheckpoint", "CheckpointWarning"]
 
 FORMAT = 1
@@ -140,6 +140,30 @@ def verify(path: str | os.PathLike) -> None:
     if found:
         more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
         raise DamagedCheckpoint(f"checkpoint {path} is damaged: {'; '.join(found[:3])}{more}{ADVICE}")
+
+
+def describe(path: str | os.PathLike) -> tuple[dict, list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """What checkpoint `path` holds, read offline (no process group, no model): its metadata
+    (world size, the whole model's shapes, the session's state) and every stored tensor as
+    (key, dtype, shape), a parameter's entries under its own shape rather than flattened. Checks
+    the files' checksums first: a damaged checkpoint raises DamagedCheckpoint."""
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise ConfigError(f"{path} is not a complete paratrain checkpoint (" + (f"no {MARKER}" if path.exists()
+                          else "nothing exists there") + "): pass a checkpoint directory (root/step-…), not its root")
+    verify(path)
+    metadata = _read(SafeReader(path).read_metadata, path)
+    meta = _read_meta(path, metadata)
+    tensors = []
+    for key, item in sorted(metadata.state_dict_metadata.items()):
+        if hasattr(item, "size") and not key.startswith(("meta/", "rng/")):
+            parts = key.split("/")  # model/<name>, optim/<name>/<state key>, buffers/<name>
+            shape = tuple(meta["shapes"].get(parts[1], item.size)) if len(parts) > 1 else tuple(item.size)
+            if parts[0] in ("model", "optim") and torch.Size(shape).numel() == torch.Size(item.size).numel():
+                tensors.append((key, item.properties.dtype, shape))
+            else:
+                tensors.append((key, item.properties.dtype, tuple(item.size)))
+    return meta, tensors
 
 
 def export_safetensors(path: str | os.PathLike, state: dict[str, torch.Tensor]) -> Path | None:

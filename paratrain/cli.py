@@ -1,5 +1,5 @@
 """The `paratrain` command: `run` starts a job through PyTorch's elastic launcher (launch.py),
-`env` shows what a rank sees (envinfo.py).
+`env` shows what a rank sees (envinfo.py), `ckpt info` what a checkpoint holds (ckpt_cli.py).
 
 Bad input exits with status 2 and one line saying what to change (as argparse does).
 """
@@ -12,8 +12,9 @@ from importlib import metadata
 
 import torch
 
+from paratrain.ckpt_cli import add_ckpt_parser, ckpt
 from paratrain.envinfo import env
-from paratrain.errors import ConfigError
+from paratrain.errors import ParatrainError
 from paratrain.launch import add_run_parser, run
 
 class _Parser(argparse.ArgumentParser):
@@ -26,12 +27,13 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="paratrain", description="Launch and inspect paratrain jobs.")
     parser.add_argument("--version", action="version", version=_version())
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env}",
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env,ckpt}",
                                      parser_class=_Parser)
     add_run_parser(commands)
     commands.add_parser("env", help="print what a script would see: ranks, groups, backend, device",
                         description="Print this process's place in the job (rank, local rank, "
                         "world, node, backend, device, groups), one line prefixed by the rank.")
+    add_ckpt_parser(commands)
     return parser
 
 
@@ -41,8 +43,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "run":
             sys.exit(run(args))
+        if args.command == "ckpt":
+            return ckpt(args)
         env()
-    except ConfigError as e:
+    except ParatrainError as e:  # a bad argument, or what it names (a damaged checkpoint): one line
         parser.exit(2, f"paratrain {args.command}: error: {e}\n")
 
 

@@ -23,7 +23,7 @@ LAYERS = [
     {"strategy"},
     {"batch", "preemption", "autolog", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step"},
     {"session_facts", "session"},
-    {"launch", "envinfo", "cli", "testing", "__init__", "__main__"},
+    {"launch", "envinfo", "ckpt_cli", "cli", "testing", "__init__", "__main__"},
 ]
 
 

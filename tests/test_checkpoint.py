@@ -4,6 +4,7 @@ damaged or foreign checkpoints, no unpickling of arbitrary objects."""
 import json
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -269,3 +270,39 @@ def test_export_writes_one_safetensors_file_of_the_whole_model(tmp_path):
     assert_same_params(exported, state, atol=0)
     model = make_model("tied")
     model.load_state_dict(exported)  # loads into the plain, unwrapped model
+
+
+def _info(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "paratrain", "ckpt", "info", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_ckpt_info_reads_a_sharded_checkpoint_offline(tmp_path):
+    """Written by 2 ZeRO-3 ranks (each holding pieces of every flattened parameter), read by a
+    process with no process group and no model: every tensor under its own shape, bytes adding up;
+    a damaged file is named, and a root is not a checkpoint."""
+    path = tmp_path / "step-3"
+    run_on_ranks(_train_and_save, 2, "zero3-units", 3, str(path), "mlp")
+    done = _info(path)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "written by 2 process(es), strategy zero3, optimizer torch.optim.adam.Adam" in out
+    assert "micro-batches trained 3" in out
+    model = make_model("mlp")
+    for name, p in model.named_parameters():
+        size = p.numel() * 4
+        assert f"model/{name}" in out and f"[{', '.join(map(str, p.shape))}]" in out
+        assert re.search(rf"optim/{re.escape(name)}/exp_avg\s+float32\s+\[{', '.join(map(str, p.shape))}\]\s+{size:,} bytes", out)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert f"model: {len(list(model.parameters()))} tensors, {total:,} bytes" in out
+    shard = next(path.glob("__1_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    damaged = _info(path)
+    assert damaged.returncode == 2 and f"{shard.name} does not match the sha256" in damaged.stderr
+    root = _info(tmp_path)
+    assert root.returncode == 2 and "not a complete paratrain checkpoint" in root.stderr

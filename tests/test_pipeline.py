@@ -444,6 +444,7 @@ def _replica_launch_order(topo):
     model = chain()
     stage, _ = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy.grid(topo))
     stage._grad_sync.set_reduction(Logged(group=stage.dp_group))
+
     def note_middle(module, args, out):
         out.register_hook(lambda grad: log.append("first layer's output gradient"))
 

@@ -1,0 +1,39 @@
+"""`paratrain ckpt info DIR`: what a checkpoint holds, read offline (no process group, no model
+code): who wrote it, where the loop stood, and every tensor with its dtype, shape and bytes."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from paratrain import checkpoint
+
+
+def add_ckpt_parser(commands) -> None:
+    ckpt = commands.add_parser("ckpt", help="inspect a checkpoint offline",
+                               description="Inspect a paratrain checkpoint without a process group or "
+                               "the model's code.")
+    actions = ckpt.add_subparsers(dest="action", required=True, metavar="{info}")
+    info = actions.add_parser("info", help="who wrote it, the loop's position, every tensor",
+                              description="Check the checkpoint's files against their checksums, then "
+                              "print who wrote it, where the loop stood, and every tensor stored.")
+    info.add_argument("path", metavar="DIR", help="a checkpoint directory (root/step-…)")
+
+
+def ckpt(args: argparse.Namespace) -> None:
+    meta, tensors = checkpoint.describe(args.path)
+    state = meta.get("state", {})
+    print(f"checkpoint {args.path}")
+    print(f"  written by {meta['world_size']} process(es), strategy {state.get('strategy', '?')}, "
+          f"optimizer {state.get('optimizer') or 'none'}")
+    print(f"  epoch {state.get('epoch', 0)}, micro-batches trained {state.get('micro_step', 0)}")
+    groups: dict[str, list[int]] = {}
+    for key, dtype, shape in tensors:
+        size = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+        totals = groups.setdefault(key.split("/")[0], [0, 0])
+        totals[0], totals[1] = totals[0] + 1, totals[1] + size
+    print("  " + "; ".join(f"{kind}: {n} tensors, {size:,} bytes" for kind, (n, size) in groups.items()))
+    for key, dtype, shape in tensors:
+        size = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+        print(f"    {key:<48} {str(dtype).removeprefix('torch.'):<9} {list(shape)!s:<16} {size:,} bytes")
