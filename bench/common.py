@@ -268,8 +268,11 @@ def refuse_busy_machine(args: argparse.Namespace, ranks: int = 0, **loads: tuple
     beyond them is other work."""
     cores = os.cpu_count() or 1
     limit = BUSY_LOAD_PER_CORE * cores
-    busy = [f"{when} {load[0]:.2f}" + (f" ({load[0] - ranks:.2f} beyond its {ranks} ranks)" if when == "after" else "")
-            for when, load in loads.items() if load[0] - (ranks if when == "after" else 0) > limit]
+    busy = []
+    for when, load in loads.items():
+        own = ranks if when == "after" else 0  # before the run nothing of the benchmark's is running
+        if load[0] - own > limit:
+            busy.append(f"{when} {load[0]:.2f}" + (f" ({load[0] - own:.2f} beyond its {own} ranks)" if own else ""))
     if busy and not args.force:
         raise SystemExit(f"not writing {args.out}: the machine is busy (1-minute load average "
                          f"{', '.join(busy)}; above {limit:.2f}, {BUSY_LOAD_PER_CORE} per core on "

@@ -157,12 +157,11 @@ def describe(path: str | os.PathLike) -> tuple[dict, list[tuple[str, torch.dtype
     tensors = []
     for key, item in sorted(metadata.state_dict_metadata.items()):
         if hasattr(item, "size") and not key.startswith(("meta/", "rng/")):
-            parts = key.split("/")  # model/<name>, optim/<name>/<state key>, buffers/<name>
-            shape = tuple(meta["shapes"].get(parts[1], item.size)) if len(parts) > 1 else tuple(item.size)
-            if parts[0] in ("model", "optim") and torch.Size(shape).numel() == torch.Size(item.size).numel():
-                tensors.append((key, item.properties.dtype, shape))
-            else:
-                tensors.append((key, item.properties.dtype, tuple(item.size)))
+            # model/<name> and optim/<name>/<state key> are stored flattened: show the parameter's
+            # shape where the sizes agree (not for scalar state such as Adam's step); buffers as they are
+            own = meta["shapes"].get(key.split("/")[1])
+            flat = own is not None and torch.Size(own).numel() == torch.Size(item.size).numel()
+            tensors.append((key, item.properties.dtype, tuple(own if flat else item.size)))
     return meta, tensors
 
 

@@ -28,12 +28,11 @@ def ckpt(args: argparse.Namespace) -> None:
     print(f"  written by {meta['world_size']} process(es), strategy {state.get('strategy', '?')}, "
           f"optimizer {state.get('optimizer') or 'none'}")
     print(f"  epoch {state.get('epoch', 0)}, micro-batches trained {state.get('micro_step', 0)}")
+    sizes = [torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in tensors]
     groups: dict[str, list[int]] = {}
-    for key, dtype, shape in tensors:
-        size = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+    for (key, _, _), size in zip(tensors, sizes):
         totals = groups.setdefault(key.split("/")[0], [0, 0])
         totals[0], totals[1] = totals[0] + 1, totals[1] + size
     print("  " + "; ".join(f"{kind}: {n} tensors, {size:,} bytes" for kind, (n, size) in groups.items()))
-    for key, dtype, shape in tensors:
-        size = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+    for (key, dtype, shape), size in zip(tensors, sizes):
         print(f"    {key:<48} {str(dtype).removeprefix('torch.'):<9} {list(shape)!s:<16} {size:,} bytes")
