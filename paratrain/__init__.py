@@ -38,6 +38,7 @@ from paratrain.precision import GradScaler
 from paratrain.ring import ring_all_reduce
 from paratrain.session import Session
 from paratrain.topology import Topology, destroy
+from paratrain.weights import load_weights
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,6 @@ __all__ = [
     "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel", "LayersOnDevices",
     "PipelineStage",
     "shard", "full_state_dict", "WrapPolicy",
-    "GradScaler", "MetricsLogger", "Logging", "checkpoint_activations", "materialize",
+    "GradScaler", "MetricsLogger", "Logging", "checkpoint_activations", "materialize", "load_weights",
     "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
 ]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 import torch
@@ -74,14 +74,20 @@ class CheckpointLayout:
     params_in_flat: bool  # the parameters' values live in the flat shards (ZeRO-3), not `params`
     buffers: dict[str, torch.Tensor]
     shapes: dict[str, torch.Size]  # every parameter of the whole model, on every rank
+    aliases: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names → its first
+    persistent: frozenset[str] | None = None  # the buffers a state dict holds (None: all of them)
 
     @classmethod
     def whole(cls, module: nn.Module, flat: dict | None = None,
               shapes: dict[str, torch.Size] | None = None) -> "CheckpointLayout":
         """A rank holding `module`'s parameters whole (and maybe flat optimizer shards)."""
         params = {user_key(n): p for n, p in module.named_parameters()}
+        first = {p: n for n, p in params.items()}
+        aliases = {user_key(n): first[p] for n, p in module.named_parameters(remove_duplicate=False)
+                   if user_key(n) != first[p]}
         return cls(params, flat or {}, False, {user_key(n): b for n, b in module.named_buffers()},
-                   shapes if shapes is not None else {n: p.shape for n, p in params.items()})
+                   shapes if shapes is not None else {n: p.shape for n, p in params.items()},
+                   aliases, persistent_buffers(module))
 
 
 class ParallelModule(nn.Module):
@@ -134,6 +140,14 @@ class ParallelModule(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {user_key(k): v for k, v in self.module.state_dict().items()}
+
+
+def persistent_buffers(module: nn.Module) -> frozenset[str]:
+    """The names of `module`'s buffers its state dict holds (a causal mask registered with
+    persistent=False is rebuilt by the model, not saved)."""
+    return frozenset(user_key(f"{prefix}.{name}" if prefix else name)
+                     for prefix, m in module.named_modules() for name, b in m._buffers.items()
+                     if b is not None and name not in m._non_persistent_buffers_set)
 
 
 def user_key(name: str) -> str:

@@ -251,7 +251,10 @@ class PipelineStage(ParallelModule):
         under its first one: its copies write one entry); the shapes of the whole model's."""
         whole = CheckpointLayout.whole(self.module, shapes=self.model_shapes())
         params = {self._name(p, n): p for n, p in whole.params.items()}
-        return CheckpointLayout(params, {}, False, whole.buffers, whole.shapes)
+        first = {n: self._name(p, n) for n, p in whole.params.items()}
+        aliases = {**{n: f for n, f in first.items() if n != f},
+                   **{a: first[n] for a, n in whole.aliases.items()}}
+        return CheckpointLayout(params, {}, False, whole.buffers, whole.shapes, aliases, whole.persistent)
 
     def default_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         """The last stage's head returns outputs, not the model's loss: the cut's loss, if it has one."""

@@ -289,7 +289,10 @@ class FullyShardedDataParallel(ParallelModule):
                 for u in self.units for f in u.flats}
         whole = CheckpointLayout.whole(self.module)  # frozen parameters and buffers
         shapes = {n: s for layout in flat.values() for n, _, s in layout.slots}
-        return CheckpointLayout(whole.params, flat, True, whole.buffers, {**shapes, **whole.shapes})
+        tied = {user_key(n): user_key(s.names[0]) for u in self.units for f in u.flats for s in f.slots
+                for n in s.names[1:]}
+        return CheckpointLayout(whole.params, flat, True, whole.buffers, {**shapes, **whole.shapes},
+                                {**tied, **whole.aliases}, whole.persistent)
 
     def _gathered_params(self) -> dict[str, torch.Tensor]:
         out = {}
