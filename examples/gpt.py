@@ -3,6 +3,7 @@
     paratrain run -n 2 examples/gpt.py --strategy zero3     # two processes, blocks sharded
     paratrain run -n 2 examples/gpt.py --strategy zero3 --activation-checkpointing   # blocks recomputed
     paratrain run -n 2 examples/gpt.py --strategy zero3 --meta-init   # each rank builds only its shards
+    paratrain run -n 2 examples/gpt.py --strategy zero3 --meta-init --init-from gpt.safetensors  # an --export
     paratrain run -n 4 examples/gpt.py --strategy pipeline --stages 4 --layers 4   # a block per stage
     python examples/gpt.py --strategy single                # one process, the reference
 
@@ -268,6 +269,9 @@ def main(argv: list[str] | None = None) -> float:
                         help="build the model on the meta device: each rank materialises only what it holds")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's activations in backward instead of keeping them")
+    parser.add_argument("--init-from", metavar="FILE",
+                        help="start from these weights (.safetensors or a torch state dict), e.g. an --export")
+    parser.add_argument("--export", metavar="FILE", help="write the trained weights to FILE (.safetensors)")
     parser.add_argument("--out", default="runs/gpt")
     args = parser.parse_args(argv)
 
@@ -281,6 +285,8 @@ def main(argv: list[str] | None = None) -> float:
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True)  # one epoch = --steps steps
     model, optimizer, loader = session.setup(model, optimizer, loader,
                                              init_fn=model.init_weights if args.meta_init else None)
+    if args.init_from:
+        pt.load_weights(model, args.init_from)  # each rank reads only what it holds
     # after setup: the scheduler must drive the optimizer setup() returned (zero3 rebuilds it)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps,
                                                    pct_start=0.1)
@@ -307,6 +313,8 @@ def main(argv: list[str] | None = None) -> float:
     session.print(f"tokens per second: {tokens_per_s} ({session.world_size} process(es), "
                   f"strategy {args.strategy}, {train_time:.1f} s of training)")
     session.print(f"sample:\n{text}\n")
+    if args.export:
+        session.export(args.export)
     if session.is_main:
         save_results(args.out, rows, losses)
         print(f"wrote {args.out}/metrics.csv and {args.out}/loss.png")

@@ -89,13 +89,23 @@ def test_four_stages_with_gpipe_learn(tmp_path):
     read_rows(tmp_path)
 
 
-def test_a_meta_built_model_learns_under_zero3(tmp_path):
+def test_a_meta_built_model_learns_under_zero3_and_its_export_starts_another_run(tmp_path):
     """--meta-init: every rank materialises only its shards, by the rule (its values differ from
-    the eager build's, so it is compared with learning, not with the single run)."""
+    the eager build's, so it is compared with learning, not with the single run). Its --export,
+    loaded by --init-from into another meta-built zero3 run that does not move (lr 0), gives
+    the same validation loss."""
+    exported = str(tmp_path / "gpt.safetensors")
     cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "examples/gpt.py", *SMALL, "--strategy", "zero3",
-           "--meta-init", "--out", str(tmp_path)]
+           "--meta-init", "--out", str(tmp_path), "--export", exported]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     loss = float(re.search(r"^validation loss: (\d+\.\d+)$", done.stdout, re.M).group(1))
     assert loss < UNIFORM - 1.2
     read_rows(tmp_path)
+    cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "examples/gpt.py", *SMALL, "--strategy", "zero3",
+           "--meta-init", "--init-from", exported, "--steps", "1", "--eval-every", "1", "--lr", "0",
+           "--out", str(tmp_path / "again")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = float(re.search(r"^validation loss: (\d+\.\d+)$", done.stdout, re.M).group(1))
+    assert abs(again - loss) < 1e-4

@@ -155,3 +155,26 @@ def test_every_rank_refuses_a_file_only_some_ranks_read_a_bad_key_of(tmp_path):
     assert len({message for message, _ in results}) == 1
     assert "1 mis-shaped: blocks.3.linear2.weight: (16, 31) in the file, (16, 32) in the model" in results[0][0]
     assert all(diff == 0 for _, diff in results)
+
+
+def _save_eager(topo, path: str):
+    session = pt.Session(_strategy("zero3"), topology=topo, progress_bar=False)
+    model = tiny_gpt(seed=1)
+    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    session.save(path)
+
+
+def _load_into_meta(topo, path: str):
+    session = pt.Session(_strategy("zero3"), topology=topo, progress_bar=False)
+    with torch.device("meta"):
+        model = TinyGPT()
+    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                  init_fn=lambda m: isinstance(m, TinyGPT) and nn.init.zeros_(m.positions))
+    session.load(path)
+    return session.full_state_dict()
+
+
+def test_a_checkpoint_loads_into_a_meta_built_model_at_another_world_size(tmp_path):
+    run_on_ranks(_save_eager, 2, str(tmp_path / "ckpt"))
+    for state in run_on_ranks(_load_into_meta, 3, str(tmp_path / "ckpt")):
+        assert max_param_diff(state, tiny_gpt(seed=1).state_dict()) == 0
