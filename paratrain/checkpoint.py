@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch import nn
 
 from paratrain.checkpoint_files import (ADVICE, MARKER, CheckpointWarning, DamagedCheckpoint, NamedFS, agree,
@@ -37,10 +38,10 @@ from paratrain.checkpoint_lock import check_not_locked, lock_root, unlock_roots
 from paratrain.checkpoint_root import latest, prune, resume
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.random_state import json_of, json_tensor
-from paratrain.state_layout import state_entries
+from paratrain.state_layout import layout_of, state_entries
 
 __all__ = ["save", "load", "resume", "latest", "prune", "verify", "describe", "lock_root", "unlock_roots",
-           "export_safetensors", "DamagedCheckpoint", "CheckpointWarning"]
+           "DamagedCheckpoint", "CheckpointWarning"]
 
 FORMAT = 1
 
@@ -54,18 +55,32 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     agree(lambda: _prepare(partial))
     entries, shapes = state_entries(model, optimizer)
     meta = {"format": FORMAT, "world_size": world(), "shapes": {n: list(s) for n, s in shapes.items()},
-            "param_groups": _hyperparameters(optimizer), "state": state or {}}
+            **_state_dict_names(model), "param_groups": _hyperparameters(optimizer), "state": state or {}}
     entries["meta/json"] = json_tensor(meta)
     entries.update({f"rng/{rank()}/{k}": v for k, v in (rng or {}).items()})
     writer = _Writer(partial)
     try:
-        dcp.save(entries, storage_writer=writer)
+        # a tensor several ranks hold is written by the lowest of them: buffers may differ
+        # between replicas (BatchNorm statistics under zero3), and rank 0's are the ones
+        # full_state_dict() and export give
+        dcp.save(entries, storage_writer=writer, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     except dcp.CheckpointException as e:  # a BaseException: turn it into an ordinary error
         raise CheckpointError(f"saving {path} failed: {describe_failure(e)}; it was left as "
                               f"{partial.name}, and every checkpoint saved before is intact") from e
     files = _hash_written(path, partial, writer.fs.written)
     agree(lambda: _commit(path, partial, meta, files))
     return path
+
+
+def _state_dict_names(model: nn.Module) -> dict:
+    """What the plain model's state dict holds beyond the stored parameters, from every rank (a
+    pipeline stage knows its own): each tied parameter's other names, and the buffers it saves
+    (not the non-persistent ones). `paratrain ckpt export` writes these names."""
+    layout = layout_of(model)
+    persistent = layout.buffers.keys() if layout.persistent is None else layout.persistent
+    everyone = all_gather((layout.aliases, sorted(persistent & layout.buffers.keys())))
+    return {"aliases": {a: n for aliases, _ in everyone for a, n in aliases.items()},
+            "buffers": sorted({b for _, buffers in everyone for b in buffers})}
 
 
 def _prepare(partial: Path) -> None:
@@ -90,7 +105,7 @@ def _hash_written(path: Path, partial: Path, names: set[str]) -> dict[str, dict]
 
 def _commit(path: Path, partial: Path, meta: dict, files: dict) -> None:
     """Rank 0, once every rank's files are written and hashed: the marker, then the rename."""
-    marker = {k: v for k, v in meta.items() if k != "shapes"}
+    marker = {k: v for k, v in meta.items() if k not in ("shapes", "aliases", "buffers")}
     marker.update(sequence=next_sequence(path.parent), saved_at=time.time(), files=files)
     try:
         write_marker(partial, marker)
@@ -163,23 +178,6 @@ def describe(path: str | os.PathLike) -> tuple[dict, list[tuple[str, torch.dtype
             flat = own is not None and torch.Size(own).numel() == torch.Size(item.size).numel()
             tensors.append((key, item.properties.dtype, tuple(own if flat else item.size)))
     return meta, tensors
-
-
-def export_safetensors(path: str | os.PathLike, state: dict[str, torch.Tensor]) -> Path | None:
-    """Write a full (gathered) state dict as one `.safetensors` file for inference, on rank 0.
-    Tied weights are written under each of their names."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise ConfigError("exporting needs the safetensors package: pip install safetensors "
-                          "(or paratrain[export])") from None
-    if rank() != 0:
-        return None
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(partial))
-    os.replace(partial, path)
-    return path
 
 
 class _Writer(dcp.FileSystemWriter):

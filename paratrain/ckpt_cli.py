@@ -1,5 +1,7 @@
 """`paratrain ckpt info DIR`: what a checkpoint holds, read offline (no process group, no model
-code): who wrote it, where the loop stood, and every tensor with its dtype, shape and bytes."""
+code): who wrote it, where the loop stood, and every tensor with its dtype, shape and bytes.
+`paratrain ckpt export DIR OUT.safetensors [--dtype bf16]`: its model as one file, a tensor at a
+time (export.py)."""
 
 from __future__ import annotations
 
@@ -8,20 +10,34 @@ import argparse
 import torch
 
 from paratrain import checkpoint
+from paratrain.export import DTYPE_NAMES, export_checkpoint
 
 
 def add_ckpt_parser(commands) -> None:
     ckpt = commands.add_parser("ckpt", help="inspect a checkpoint offline",
                                description="Inspect a paratrain checkpoint without a process group or "
                                "the model's code.")
-    actions = ckpt.add_subparsers(dest="action", required=True, metavar="{info}")
+    actions = ckpt.add_subparsers(dest="action", required=True, metavar="{info,export}")
     info = actions.add_parser("info", help="who wrote it, the loop's position, every tensor",
                               description="Check the checkpoint's files against their checksums, then "
                               "print who wrote it, where the loop stood, and every tensor stored.")
     info.add_argument("path", metavar="DIR", help="a checkpoint directory (root/step-…)")
+    export = actions.add_parser("export", help="the model as one .safetensors file",
+                                description="Write the checkpoint's model as one .safetensors file with "
+                                "the model's own state-dict keys, a tensor at a time (memory peaks at about "
+                                "the largest tensor). Checks the checksums first.")
+    export.add_argument("path", metavar="DIR", help="a checkpoint directory (root/step-…)")
+    export.add_argument("out", metavar="OUT.safetensors")
+    export.add_argument("--dtype", choices=sorted(DTYPE_NAMES),
+                        help="cast floating-point tensors (default: as stored)")
 
 
 def ckpt(args: argparse.Namespace) -> None:
+    if args.action == "export":
+        done = export_checkpoint(args.path, args.out, DTYPE_NAMES.get(args.dtype))
+        print(f"wrote {args.out}: {done['tensors']} tensors, {done['bytes']:,} bytes "
+              f"(largest tensor read: {done['largest']:,} bytes)")
+        return
     meta, tensors = checkpoint.describe(args.path)
     state = meta.get("state", {})
     print(f"checkpoint {args.path}")

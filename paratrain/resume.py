@@ -39,9 +39,10 @@ import torch.distributed as dist
 
 from paratrain import checkpoint, checkpoint_files
 from paratrain.comm import group_device
+from paratrain.export import export_model
 from paratrain.loader import ShardedLoader
 from paratrain.errors import CheckpointError, ConfigError, UsageError
-from paratrain.parallel.base import ParallelModule, full_state_dict
+from paratrain.parallel.base import ParallelModule
 from paratrain.random_state import rng_state, rng_tensors, set_rng_state
 from paratrain.state_layout import layout_of
 
@@ -105,9 +106,10 @@ class SessionCheckpoints:
         return checkpoint.resume(root, load, required=required) is not None
 
     def export(self: "Session", path: str | os.PathLike) -> Path | None:
-        """The whole model as one `.safetensors` file for inference (gathered from every rank,
-        written by rank 0). A collective."""
-        return checkpoint.export_safetensors(path, full_state_dict(self._require_model()))
+        """The whole model as one `.safetensors` file for inference, with the plain model's
+        state-dict keys, written by rank 0 as it gathers the model a piece at a time (a ZeRO-3
+        unit, a pipeline stage: export.py). A collective; returns the path on rank 0."""
+        return export_model(path, self._require_model())
 
 
 def check_registrable(name: str, obj: Any) -> None:

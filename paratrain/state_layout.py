@@ -5,7 +5,8 @@ Every parameter is stored flattened to 1-D under "model/<name>" (its name in the
 model), every buffer as it is under "buffers/<name>", and every optimizer state tensor of a
 parameter's size under "optim/<name>/<key>", flattened the same way; scalar state (Adam's "step")
 is "optim/<name>/<key>", 0-d. Strategies that hold whole parameters (single, DDP, ZeRO 1-2 for
-parameters) give whole tensors, which torch.distributed.checkpoint writes once; a pipeline stage
+parameters) give whole tensors, which torch.distributed.checkpoint writes once, from the lowest
+rank holding each (replicas' buffers may differ: rank 0's are written); a pipeline stage
 gives the whole tensors of its own layers (a stage's names are the model's), so the stages
 together write the model, and each reads back only its own. Sharded holders
 (ZeRO-1/2 optimizer state, ZeRO-3 parameters and state) give, for each parameter, the pieces of

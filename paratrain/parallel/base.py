@@ -16,6 +16,8 @@ never ask which strategy built it, nor probe it for attributes:
     check_loader(loader)                refuse at setup a sharded loader it cannot take
     checkpoint_layout()                 what this rank holds, in the checkpoint's terms
     full_state_dict()                   the whole model's state dict, keys the user's (collective)
+    state_pieces()                      the same, a piece at a time: a ZeRO-3 unit, a pipeline stage
+                                        (collective; how session.export streams the model to rank 0)
     supports_token_weights              whether train_step(weight=...) works
     default_loss(outputs, targets)      the loss when train_step is given none (the model's own)
 
@@ -141,6 +143,9 @@ class ParallelModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {user_key(k): v for k, v in self.module.state_dict().items()}
 
+    def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
+        yield self.full_state_dict()
+
 
 def persistent_buffers(module: nn.Module) -> frozenset[str]:
     """The names of `module`'s buffers its state dict holds (a causal mask registered with
@@ -187,6 +192,12 @@ def owned(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> torch.op
     if optimizer is not None:
         check_optimizer_owns(optimizer, model.parameters())
     return optimizer
+
+
+def state_pieces(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The whole model's state dict in pieces whose union is `full_state_dict(model)`, each on
+    every rank of the group that gathers it (a collective, piece by piece)."""
+    return model.state_pieces() if isinstance(model, ParallelModule) else iter([model.state_dict()])
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ output broadcast to the whole pipeline.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -277,6 +277,15 @@ class PipelineStage(ParallelModule):
         every rank of the pipeline, on CPU (collective over the pipeline)."""
         mine = {user_key(k): v.detach().cpu() for k, v in self.module.state_dict().items()}
         return {k: v for part in self._from_every_stage(mine) for k, v in part.items()}
+
+    def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Stage by stage, each stage's state dict sent to the others of its pipeline (on CPU),
+        so no rank holds more than its own stage and one other at a time."""
+        for stage in range(self.stages):
+            box = [{user_key(k): v.detach().cpu() for k, v in self.module.state_dict().items()}
+                   if stage == self.stage else None]
+            dist.broadcast_object_list(box, src=comm.global_rank(self.pipe_group, stage), group=self.pipe_group)
+            yield box[0]
 
     def model_shapes(self) -> dict[str, torch.Size]:
         """Name → shape of every parameter of the whole model, in stage order (collective over

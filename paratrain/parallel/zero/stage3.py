@@ -24,7 +24,7 @@ import enum
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -268,6 +268,20 @@ class FullyShardedDataParallel(ParallelModule):
         values = self._gathered_params()
         buffers = self.module.state_dict()
         return {user_key(k): values[k] if k in values else buffers[k] for k in self._key_order}
+
+    def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Unit by unit (every rank gathers the unit, then drops it), then the buffers and frozen
+        parameters, which every rank holds whole."""
+        gathered = set()
+        for unit in self.units:
+            piece = {}
+            for flat in unit.flats:
+                for slot, value in zip(flat.slots, flat.gather_values()):
+                    piece.update({user_key(name): value for name in slot.names})
+                    gathered.update(slot.names)
+            yield piece
+        rest = self.module.state_dict()
+        yield {user_key(k): rest[k] for k in self._key_order if k not in gathered}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load an unsharded state dict (from `full_state_dict` or the plain model): each rank
