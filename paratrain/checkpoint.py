@@ -38,7 +38,7 @@ from paratrain.checkpoint_lock import check_not_locked, lock_root, unlock_roots
 from paratrain.checkpoint_root import latest, prune, resume
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.random_state import json_of, json_tensor
-from paratrain.state_layout import layout_of, state_entries
+from paratrain.state_layout import layout_of, loaded, state_entries
 
 __all__ = ["save", "load", "resume", "latest", "prune", "verify", "describe", "lock_root", "unlock_roots",
            "DamagedCheckpoint", "CheckpointWarning"]
@@ -139,6 +139,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
            for k in metadata.state_dict_metadata if k.startswith(f"rng/{rank()}/")}
     entries.update({f"rng/{rank()}/{k}": v for k, v in rng.items()})
     _read(lambda: dcp.load(entries, storage_reader=reader), path)
+    loaded(model)
     if hyperparameters:
         _apply_hyperparameters(optimizer, meta["param_groups"])
     return {"state": meta["state"], "rng": rng if meta["world_size"] == world() else {}}

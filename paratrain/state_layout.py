@@ -61,6 +61,14 @@ def state_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     return entries, layout.shapes
 
 
+def loaded(model: nn.Module) -> None:
+    """After values were written into the tensors `state_entries` gave: let the holder refresh
+    what derives from them (ZeRO-1/2 master shards → the parameters). A collective."""
+    after = layout_of(model).after_load
+    if after is not None:
+        after()
+
+
 def _optimizer_states(optimizer, optim_keys):
     # every optimizer a strategy returns steps its param_groups with its `state` (ZeRO 1-2's
     # ShardedOptimizer shares both with the optimizer it wraps)

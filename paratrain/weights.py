@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.state_layout import layout_of, state_entries
+from paratrain.state_layout import layout_of, loaded, state_entries
 
 Source = Union[str, os.PathLike, Mapping[str, torch.Tensor]]
 
@@ -57,6 +57,7 @@ def load_weights(model: nn.Module, source: Source, *, strict: bool = True) -> No
                 shard.tensor.copy_(reader.read_flat(found[name], start, start + length))
         else:
             target.copy_(reader.read_flat(found[name], 0, target.numel()))
+    loaded(model)
 
 
 def _model_names(model: nn.Module) -> dict[str, Any]:

@@ -1,12 +1,14 @@
 """ZeRO stages on real ranks against single-process training."""
 
 import copy
+import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import paratrain as pt
+from paratrain import checkpoint
 from paratrain.parallel.zero import OwnerCollectives
 from paratrain.testing import assert_same_params, run_on_ranks
 from models import make_batches, make_model, make_optimizer, reference, train_on_rank
@@ -191,18 +193,24 @@ def test_optimizer_misuse_is_a_clear_error(case, message):
         run_on_ranks(_bad_optimizers, 2, case, timeout=60)
 
 
-def _train_mixed(topo, offload, param_dtype):
+def _train_mixed(topo, offload, param_dtype, stage=3, clip=None, batch=GLOBAL_BATCH):
     model = make_model("mlp")
-    model, opt = pt.shard(model, make_optimizer("adam", model.parameters()), stage=3, offload=offload,
-                          param_dtype=param_dtype, wrap_policy=_policy("mlp"))
-    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
+    model, opt = pt.shard(model, make_optimizer("adam", model.parameters()), stage=stage, offload=offload,
+                          param_dtype=param_dtype, wrap_policy=_policy("mlp"), bucket_cap_mb=0.0005)
+    xs, ys = make_batches(STEPS, batch)
     for x, y in zip(xs, ys):
         F.cross_entropy(model(x.chunk(topo.world_size)[topo.rank]), y.chunk(topo.world_size)[topo.rank]).backward()
+        if clip:
+            model.clip_grad_norm_(clip)
         opt.step()
         opt.zero_grad()
     dtypes = {str(s.dtype) for s in model.shards} | {str(t.dtype) for st in opt.state.values()
                                                      for t in st.values() if t.dim()}
-    return pt.full_state_dict(model), dtypes, {f.full.dtype for u in model.units for f in u.flats}
+    computed = {f.full.dtype for u in model.units for f in u.flats} if stage == 3 else \
+        {p.dtype for p in model.module.parameters()}
+    views = stage != 3 and any(s.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                               for s, b in zip(model.shards, model.param_buffers))  # the optimizer steps the model's own
+    return pt.full_state_dict(model), dtypes, computed, views
 
 
 def mixed_reference(world, dtype):
@@ -225,20 +233,81 @@ def mixed_reference(world, dtype):
     return {k: v.detach() for k, v in master.named_parameters()}
 
 
-def test_stage3_bf16_compute_with_fp32_master_state_matches_its_arithmetic():
+@pytest.mark.parametrize("stage,offload", [(3, False), (1, False), (2, False), (2, True)])
+def test_bf16_compute_with_fp32_master_state_matches_its_arithmetic(stage, offload):
     ref = mixed_reference(2, torch.bfloat16)
-    for state, dtypes, full_dtypes in run_on_ranks(_train_mixed, 2, False, torch.bfloat16):
-        assert dtypes == {"torch.float32"} and full_dtypes == {torch.bfloat16}
+    for state, dtypes, computed, views in run_on_ranks(_train_mixed, 2, offload, torch.bfloat16, stage):
+        assert dtypes == {"torch.float32"} and computed == {torch.bfloat16} and not views
         assert_same_params({k: state[k] for k in ref}, ref, atol=1e-6)  # measured: 0
+        assert all(v.dtype == torch.float32 for v in state.values())  # the masters', not the bf16 copies
 
 
-def test_stage3_offload_matches_single_process():
+@pytest.mark.parametrize("stage,world", [(3, 2), (1, 3), (2, 3)])
+def test_offload_matches_single_process(stage, world):
     # on this CPU-only machine the shards' home and the compute device coincide; the device to
-    # host copies are exercised only where CUDA is present
-    ref = _reference("mlp", 2, 1, "adam")
-    for state, dtypes, _ in run_on_ranks(_train_mixed, 2, True, None):
-        assert dtypes == {"torch.float32"}
+    # host copies are exercised only where CUDA is present (stages 1 and 2 step copies, not views)
+    batch = 5 * world  # equal pieces per rank
+    ref = reference("mlp", "adam", world=world, accumulate=1, steps=STEPS, global_batch=batch)
+    for state, dtypes, _, views in run_on_ranks(_train_mixed, world, True, None, stage, None, batch):
+        assert dtypes == {"torch.float32"} and not views
         assert_same_params({k: state[k] for k in ref}, ref, atol=1e-6)  # measured: 7.5e-8
+
+
+def test_clipping_scales_the_master_gradients_the_step_reads():
+    model = make_model("mlp")
+    opt = make_optimizer("adam", model.parameters())
+    for x, y in zip(*make_batches(STEPS, GLOBAL_BATCH)):
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    for state, *_ in run_on_ranks(_train_mixed, 2, True, None, 2, 0.05):
+        assert_same_params({k: state[k] for k in model.state_dict()}, model.state_dict(), atol=1e-6)
+
+
+class CudaOnlyAdam(torch.optim.Adam):
+    def step(self, closure=None):
+        if any(p.device.type != "cuda" for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("expected CUDA tensors")
+        return super().step(closure)
+
+
+def _offload_cuda_only(topo, stage):
+    model = make_model("mlp")
+    pt.shard(model, CudaOnlyAdam(model.parameters()), stage=stage, offload=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offload_with_an_optimizer_that_cannot_step_on_cpu_is_refused(stage):
+    with pytest.raises(pt.testing.RankFailure, match=r"offload steps the optimizer on the CPU, and CudaOnlyAdam "
+                                                     r"cannot step a CPU tensor \(RuntimeError: expected CUDA"):
+        run_on_ranks(_offload_cuda_only, 2, stage, timeout=60)
+
+
+def _mixed_round_trip(topo, path, load):
+    model = make_model("tied")
+    model, opt = pt.shard(model, make_optimizer("adam", model.parameters()), stage=2, param_dtype=torch.bfloat16,
+                          offload=True, bucket_cap_mb=0.0005)
+    xs, ys = make_batches(STEPS, GLOBAL_BATCH)
+    mine = [(x.chunk(topo.world_size)[topo.rank], y.chunk(topo.world_size)[topo.rank]) for x, y in zip(xs, ys)]
+    if load:
+        checkpoint.load(path, model, opt)
+    else:
+        _step(model, opt, *mine[0])
+        checkpoint.save(path, model, opt)
+    _step(model, opt, *mine[1])
+    return pt.full_state_dict(model)
+
+
+def test_a_mixed_precision_checkpoint_holds_the_master_weights():
+    """Saved and loaded are the fp32 masters (loading copies them back into the bf16 parameters):
+    the next step after a load equals the next step of the run that saved."""
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = run_on_ranks(_mixed_round_trip, 2, f"{tmp}/ckpt", False)
+        resumed = run_on_ranks(_mixed_round_trip, 2, f"{tmp}/ckpt", True)
+    for a, b in zip(saved, resumed):
+        assert a.keys() == b.keys() and all(v.dtype == torch.float32 for v in a.values())
+        assert_same_params(b, a, atol=0)
 
 
 def _evaluate(topo):

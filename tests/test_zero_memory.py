@@ -34,13 +34,13 @@ def _live_storages() -> dict[int, int]:
     return out
 
 
-def _bytes_after_step(topo, stage):
+def _bytes_after_step(topo, stage, param_dtype=None):
     x = torch.randn(8, WIDTH)
     before = _live_storages()  # the batch, and anything the harness holds
     model = _model()
     policy = pt.WrapPolicy(module_classes=(nn.Linear,))
     model, opt = pt.shard(model, torch.optim.Adam(model.parameters(), lr=1e-3), stage=stage,
-                          wrap_policy=policy)
+                          wrap_policy=policy, param_dtype=param_dtype)
     F.mse_loss(model(x), x).backward()
     opt.step()  # held now: parameters, gradients and optimizer state (before zero_grad)
     held = sum(n for ptr, n in _live_storages().items() if ptr not in before)
@@ -58,3 +58,14 @@ def test_bytes_per_rank_match_the_zero_formulas(world):
             assert formula[stage] <= held <= 1.05 * formula[stage], (stage, held, formula[stage])
             if stage == 3:  # transient: never more than two units gathered at once
                 assert unit > 0 and peak <= 2 * unit, (peak, unit)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bytes_per_rank_with_bf16_compute_and_fp32_masters(world):
+    """bf16 parameters and gradients where the model computes; fp32 master shards, their fp32
+    gradients and Adam's two moments sharded (stage12.py, [Note: master shards])."""
+    psi = sum(p.numel() for p in _model().parameters())
+    formula = {1: 2 * psi + 2 * psi + 16 * psi / world, 2: 2 * psi + 18 * psi / world, 3: 16 * psi / world}
+    for stage in (1, 2, 3):
+        for held, _, _ in run_on_ranks(_bytes_after_step, world, stage, torch.bfloat16):
+            assert formula[stage] <= held <= 1.05 * formula[stage], (stage, held, formula[stage])

@@ -78,6 +78,7 @@ class CheckpointLayout:
     shapes: dict[str, torch.Size]  # every parameter of the whole model, on every rank
     aliases: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names → its first
     persistent: frozenset[str] | None = None  # the buffers a state dict holds (None: all of them)
+    after_load: Callable[[], None] | None = None  # a collective run once values were loaded in
 
     @classmethod
     def whole(cls, module: nn.Module, flat: dict | None = None,

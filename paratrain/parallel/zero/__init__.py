@@ -28,7 +28,7 @@ from paratrain.materialize import MetaInit, has_meta, whole
 from paratrain.optim import rebuild_optimizer
 from paratrain.parallel.base import Strategy
 from paratrain.parallel.zero.collectives import OwnerCollectives
-from paratrain.parallel.zero.optim import param_groups_of
+from paratrain.parallel.zero.optim import check_steps_on_cpu, param_groups_of
 from paratrain.parallel.zero.stage12 import ShardedOptimizer, ZeroDataParallel, shard_data_parallel
 from paratrain.parallel.zero.stage3 import FullyShardedDataParallel
 from paratrain.parallel.zero.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
@@ -50,24 +50,25 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
     unit by unit (`wrap_policy`, default `WrapPolicy(min_params=1_000_000)`) just before use.
     For stages 1 and 2 the model's parameters stay whole on every rank; for stage 3 the returned
     optimizer is a new one of the same class and hyperparameters holding the shards, and the old
-    one must not be used. Stage 3 also takes `param_dtype` (gather, compute and reduce in
-    bf16/fp16 while the shards and the optimizer state stay fp32) and `offload` (shards,
-    gradients and optimizer state in CPU memory). `collectives`: which collectives move slices
-    to and from their owners (default: what is fastest on the group's backend).
+    one must not be used. Every stage takes `param_dtype` (compute, reduce and gather in
+    bf16/fp16 while the optimizer steps fp32 master shards) and `offload` (the master shards,
+    their gradients and the optimizer state in CPU memory; the optimizer steps there).
+    `collectives`: which collectives move slices to and from their owners (default: what is
+    fastest on the group's backend).
 
     A model built on the meta device gets its values by `init`'s rule (materialize.py) on
     `device` (default: the group's): whole for stages 1 and 2, and for stage 3 unit by unit,
     each rank keeping only its shards.
     """
     device = device or group_device(process_group)
+    if offload:
+        check_steps_on_cpu(optimizer)
     if stage in (1, 2):
-        if param_dtype is not None or offload:
-            raise ConfigError(f"param_dtype and offload are implemented for stage 3; got stage {stage}")
         if has_meta(model):
             model = whole(model, init).to(device)
         return shard_data_parallel(model, optimizer, stage=stage, process_group=process_group,
                                    bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
-                                   collectives=collectives)
+                                   collectives=collectives, param_dtype=param_dtype, offload=offload)
     if stage == 3:
         wrapped = FullyShardedDataParallel(model, group_of=param_groups_of(model, optimizer),
                                            process_group=process_group, wrap_policy=wrap_policy,
@@ -89,8 +90,8 @@ class ZeRO(Strategy):
     bucket_cap_mb: float | None = None  # stages 1 and 2: bucket size cap (None: 1 MiB first, then 25)
     wrap_policy: WrapPolicy = DEFAULT_WRAP_POLICY  # stage 3: what becomes a unit
     prefetch: bool = True  # stage 3: gather the next unit while this one computes
-    param_dtype: torch.dtype | None = None  # stage 3: gather/compute/reduce in bf16 or fp16
-    offload: bool = False  # stage 3: shards and optimizer state in CPU memory
+    param_dtype: torch.dtype | None = None  # compute/reduce/gather in bf16 or fp16, fp32 masters
+    offload: bool = False  # master shards and optimizer state in CPU memory, stepped there
     collectives: OwnerCollectives | None = None  # None: the fastest on the backend
 
     @property

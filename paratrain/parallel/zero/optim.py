@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.optim import check_optimizer_owns
+from paratrain.optim import check_optimizer_owns, rebuild_optimizer
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
@@ -32,3 +32,18 @@ def param_groups_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
         raise ConfigError(f"the optimizer does not hold {len(missing)} trainable parameter(s) "
                           f"({', '.join(missing[:5])}); pass them all, or set requires_grad=False")
     return group_of
+
+
+def check_steps_on_cpu(optimizer: torch.optim.Optimizer) -> None:
+    """Under offload the optimizer steps tensors in CPU memory: try one step of its class and
+    settings on a one-element CPU tensor, and refuse it with the reason if it cannot (an optimizer written for CUDA tensors only, `fused=True` where torch lacks a
+    CPU kernel)."""
+    probe = torch.zeros(1, requires_grad=True)
+    probe.grad = torch.ones(1)
+    trial = rebuild_optimizer(optimizer, [[probe]] + [[] for _ in optimizer.param_groups[1:]])
+    try:
+        trial.step()
+    except Exception as e:  # whatever the optimizer raises, the advice is the same
+        raise ConfigError(f"offload steps the optimizer on the CPU, and {type(optimizer).__name__} cannot "
+                          f"step a CPU tensor ({type(e).__name__}: {e}); use an optimizer that runs on "
+                          "the CPU (torch.optim.AdamW, without fused=True on older torch), or offload=False") from e

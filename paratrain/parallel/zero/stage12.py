@@ -26,16 +26,18 @@ backward, as DDP's are: the parameters live in their layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
+from paratrain.comm import all_gather_single, broadcast_coalesced
 from paratrain.errors import ConfigError
 from paratrain.optim import clip_grad_norm_over, rebuild_optimizer
-from paratrain.parallel.base import CheckpointLayout, FlatLayout
+from paratrain.parallel.base import CheckpointLayout, FlatLayout, user_key
 from paratrain.parallel.buckets import Bucket, Reduction
 from paratrain.parallel.ddp import DistributedDataParallel
 from paratrain.parallel.zero.collectives import (OwnerCollectives, add_into, gather_from_owners,
@@ -52,6 +54,7 @@ class OwnerReduction(Reduction):
     world: int
     group_of: dict[nn.Parameter, int]  # each parameter's optimizer param group
     works: list[dist.Work] = field(default_factory=list)
+    backwards: int = 0  # synchronised backwards finished: when the reduced slices last changed
     rebuild = False  # the parameters live in the buckets' layout
     unused_advice = ("ZeRO stages 1 and 2 cannot leave a parameter out (the optimizer steps whole "
                      "slices of a bucket: it would apply momentum and weight decay where one process "
@@ -71,6 +74,7 @@ class OwnerReduction(Reduction):
         for work in self.works:
             work.wait()
         self.works.clear()
+        self.backwards += 1
 
     def shard_grad(self, bucket: Bucket) -> torch.Tensor | None:
         """This rank's slice of the bucket's averaged gradient."""
@@ -113,6 +117,7 @@ class ScatterToOwners(OwnerReduction):
                 p.grad = None
             bucket.buffer.untyped_storage().resize_(0)  # the full gradients live only in backward
         self._pending.clear()
+        self.backwards += 1
 
     def shard_grad(self, bucket: Bucket) -> torch.Tensor | None:
         return self.shard_grads.get(bucket.index)
@@ -128,17 +133,63 @@ class ScatterToOwners(OwnerReduction):
 
 class ZeroDataParallel(DistributedDataParallel):
     """DDP whose buckets are padded and whose parameters are flat, so each rank can own 1/N of
-    every bucket. Build it with `paratrain.shard(model, optimizer, stage=1|2)`."""
+    every bucket. Build it with `paratrain.shard(model, optimizer, stage=1|2)`.
+
+    [Note: master shards] By default the optimizer steps views of this rank's slices, in place.
+    With `param_dtype` (bf16/fp16) the model's parameters, gradients and both collectives are in
+    that dtype, and the optimizer steps fp32 copies of the slices (master weights, made from the
+    parameters before they were cast, so nothing is lost to rounding at setup). With `offload`
+    the copies, their gradients and so the optimizer state live in CPU memory (ZeRO-Offload,
+    Ren et al. 2021): the reduced gradient slice goes to the CPU, the CPU steps, and the updated
+    slice comes back into the parameters before they are gathered. Bytes per rank for Ψ
+    parameters with Adam, in bf16: stage 1, 2Ψ params + 2Ψ grads + 16Ψ/N (master, its fp32
+    gradient, Adam's two moments); stage 2, 2Ψ + 2Ψ/N (the reduced slice) + 16Ψ/N."""
 
     def __init__(self, module: nn.Module, *, reduction: OwnerReduction, collectives: OwnerCollectives,
-                 process_group=None, bucket_cap_mb: float | None = None, broadcast_buffers: bool = True):
+                 process_group=None, bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
+                 param_dtype: torch.dtype | None = None, offload: bool = False):
+        originals = None
+        if param_dtype is not None:  # rank 0's fp32 values everywhere, kept for the masters, then cast
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            broadcast_coalesced(trainable, process_group)
+            originals = {p: p.detach() for p in trainable}
+            for p in trainable:
+                p.data = p.data.to(param_dtype)
         super().__init__(module, process_group=process_group, bucket_cap_mb=bucket_cap_mb,
                          broadcast_buffers=broadcast_buffers, reduction=reduction)
         self._reduction, self.collectives = reduction, collectives
+        self.param_dtype, self.offload = param_dtype, offload
         self.param_buffers = [self._flatten(b) for b in self._buckets.buckets]
-        # what the inner optimizer steps: this rank's slice of every bucket, a view of it
-        self.shards = [nn.Parameter(buf.view(self.replicas, -1)[self.replica_index]) for buf in self.param_buffers]
+        # what the inner optimizer steps: this rank's slice of every bucket, a view of it, or a
+        # master copy ([Note: master shards])
+        self.masters = param_dtype is not None or offload
+        self.shards = [nn.Parameter(self._master(b, buf, originals) if self.masters else self._slice(buf))
+                       for b, buf in zip(self._buckets.buckets, self.param_buffers)]
+        self._grads_from = -1  # the backward whose gradients the masters' .grad hold
         reduction.free(self._buckets.buckets)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.param_dtype is not None:  # inputs in the parameters' dtype
+            inputs, kwargs = tree_map(self._cast, (inputs, kwargs))
+        return super().forward(*inputs, **kwargs)
+
+    def _cast(self, x: Any) -> Any:
+        return x.to(self.param_dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+    def _slice(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.view(self.replicas, -1)[self.replica_index]
+
+    def _master(self, bucket: Bucket, flat: torch.Tensor, originals: dict | None) -> torch.Tensor:
+        """This rank's slice of `bucket`'s parameters in their own dtype (their values before any
+        cast), at home: the CPU under offload, page-locked when the model is on a GPU."""
+        values = flat
+        if originals:
+            values = torch.zeros(flat.numel(), dtype=originals[bucket.params[0]].dtype, device=flat.device)
+            for slot, p in enumerate(bucket.params):
+                bucket.view(slot, values).copy_(originals[p])
+        home = torch.device("cpu") if self.offload else flat.device
+        master = self._slice(values).to(home, copy=True)
+        return master.pin_memory() if self.offload and flat.device.type == "cuda" else master
 
     def join_hook(self, **kwargs: Any):
         raise ConfigError("join() cannot mirror ZeRO's optimizer step, which all-gathers the "
@@ -158,15 +209,24 @@ class ZeroDataParallel(DistributedDataParallel):
         return self._reduction.key(self._buckets.buckets[index].params[0])
 
     def attach_shard_grads(self) -> None:
-        """Give each shard its slice of the averaged gradient (None where there is none)."""
+        """Give each shard its slice of the averaged gradient (None where there is none): the
+        slice itself, or, for master shards, an fp32 copy at home, made once per backward (so
+        clipping scales the copy the step then reads)."""
+        if self.masters and self._grads_from == self._reduction.backwards:
+            return
+        self._grads_from = self._reduction.backwards
         for bucket, shard in zip(self._buckets.buckets, self.shards):
-            shard.grad = self._reduction.shard_grad(bucket)
+            grad = self._reduction.shard_grad(bucket)
+            shard.grad = grad.to(shard.device, shard.dtype, copy=True) if self.masters and grad is not None else grad
 
     def gather_params(self) -> None:
-        """Every rank's updated slices into every rank's flat parameters (each shard is already
-        its slice of the buffer; collectives.gather_from_owners)."""
-        works = [work for buf, shard in zip(self.param_buffers, self.shards)
-                 for work in gather_from_owners(buf, shard.detach(), self.process_group, rank=self.replica_index,
+        """Every rank's updated slices into every rank's flat parameters (collectives.
+        gather_from_owners); master shards are first copied (cast) into their slices."""
+        if self.masters:
+            for buf, shard in zip(self.param_buffers, self.shards):
+                self._slice(buf).copy_(shard.detach())
+        works = [work for buf in self.param_buffers
+                 for work in gather_from_owners(buf, self._slice(buf), self.process_group, rank=self.replica_index,
                                                 world=self.replicas, all_gather=self.collectives.all_gather)]
         for work in works:
             work.wait()
@@ -183,18 +243,53 @@ class ZeroDataParallel(DistributedDataParallel):
         return clip_grad_norm_over(grads, max_norm, group)
 
     def checkpoint_layout(self) -> CheckpointLayout:
-        """Whole parameters; the optimizer steps flat shards, one per bucket."""
-        names = {p: n for n, p in self.module.named_parameters()}
-        flat = {shard: FlatLayout(tuple((names[p], off, p.shape) for p, off in zip(b.params, b.offsets)),
+        """Whole parameters; the optimizer steps flat shards, one per bucket. Master shards hold
+        the parameters' true values, so they are what is saved and loaded (as ZeRO-3's shards),
+        and a load copies them back into the parameters."""
+        layout = CheckpointLayout.whole(self.module, self._flat_layouts())
+        if not self.masters:
+            return layout
+        trainable = {id(p) for p in self._params}
+        frozen = {n: p for n, p in layout.params.items() if id(p) not in trainable}
+        return replace(layout, params=frozen, params_in_flat=True, after_load=self.gather_params)
+
+    def _flat_layouts(self) -> dict[torch.Tensor, FlatLayout]:
+        names = {p: user_key(n) for n, p in self.module.named_parameters()}
+        return {shard: FlatLayout(tuple((names[p], off, p.shape) for p, off in zip(b.params, b.offsets)),
                                   b.buffer.numel() // self.replicas, self.replica_index, self.replicas)
                 for b, shard in zip(self._buckets.buckets, self.shards)}
-        return CheckpointLayout.whole(self.module, flat)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for piece in self.state_pieces() for k, v in piece.items()}
+
+    def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The parameters' true values: master shards are gathered (in their own dtype), a
+        bucket at a time; then buffers and frozen parameters."""
+        state = {user_key(k): v for k, v in self.module.state_dict().items()}
+        if not self.masters:
+            yield state
+            return
+        names: dict[str, list[str]] = {}  # a parameter's first name → all its names (tied weights)
+        for alias, first in CheckpointLayout.whole(self.module).aliases.items():
+            names.setdefault(first, [first]).append(alias)
+        gathered = set()
+        for (shard, layout), bucket in zip(self._flat_layouts().items(), self._buckets.buckets):
+            full = torch.empty(shard.numel() * self.replicas, dtype=shard.dtype, device=bucket.buffer.device)
+            all_gather_single(full, shard.detach().to(full.device, copy=True), group=self.process_group)
+            piece = {}
+            for first, offset, shape in layout.slots:
+                value = full[offset:offset + shape.numel()].view(shape).clone()
+                piece.update({name: value for name in names.get(first, [first])})
+            gathered.update(piece)
+            yield piece
+        yield {k: v for k, v in state.items() if k not in gathered}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._params:
             p.grad = None
         for shard in self.shards:
             shard.grad = None
+        self._grads_from = -1
         self._reduction.zero_grad()
 
 
@@ -238,8 +333,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int,
                         process_group=None, bucket_cap_mb: float | None = None,
                         broadcast_buffers: bool = True, collectives: OwnerCollectives | None = None,
+                        param_dtype: torch.dtype | None = None, offload: bool = False,
                         ) -> tuple[ZeroDataParallel, ShardedOptimizer]:
-    """Stage 1 or 2 for `model` (on its device) and the optimizer made from its parameters."""
+    """Stage 1 or 2 for `model` (on its device) and the optimizer made from its parameters;
+    `param_dtype` and `offload` as [Note: master shards] says."""
     group_of = param_groups_of(model, optimizer)
     collectives = collectives or OwnerCollectives.for_group(process_group)
     where = dict(group=process_group, rank=dist.get_rank(process_group),
@@ -247,5 +344,6 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, *, s
     reduction = OwnerReduction(**where) if stage == 1 else \
         ScatterToOwners(**where, reduce_scatter=collectives.reduce_scatter)
     wrapped = ZeroDataParallel(model, reduction=reduction, collectives=collectives, process_group=process_group,
-                               bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers)
+                               bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
+                               param_dtype=param_dtype, offload=offload)
     return wrapped, ShardedOptimizer(optimizer, wrapped)
