@@ -52,14 +52,20 @@ class FlatShard:
         self.all_gather = all_gather
         self.numel = sum(s.shape.numel() for s in slots)
         self.padded = -(-self.numel // world) * world
-        flat = torch.zeros(self.padded, dtype=values[0].dtype, device=values[0].device)
+        device = values[0].device
+        home = torch.device("cpu") if offload else device
+        pin = offload and device.type == "cuda"  # page-locked: faster host-device copies
+        # this rank's slice only, filled from the pieces of the values it covers: no full-size
+        # copy, so a meta-built model's setup holds its shards and one unit's values at most
+        size = self.padded // world
+        lo, hi = rank * size, (rank + 1) * size
+        shard = torch.zeros(size, dtype=values[0].dtype, device=home, pin_memory=pin)
         for slot, value in zip(slots, values):
-            flat[slot.offset:slot.offset + slot.shape.numel()].copy_(value.detach().reshape(-1))
-        home = torch.device("cpu") if offload else flat.device
-        pin = offload and flat.device.type == "cuda"  # page-locked: faster host-device copies
-        shard = flat.view(world, -1)[rank].to(home, copy=True)
-        self.shard = nn.Parameter(shard.pin_memory() if pin else shard)  # (padded / N,)
-        self.full = torch.empty(self.padded, dtype=param_dtype or flat.dtype, device=flat.device,
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.shape.numel())
+            if a < b:
+                shard[a - lo:b - lo].copy_(value.detach().reshape(-1)[a - slot.offset:b - slot.offset])
+        self.shard = nn.Parameter(shard)  # (padded / N,)
+        self.full = torch.empty(self.padded, dtype=param_dtype or values[0].dtype, device=device,
                                 requires_grad=True)
         _free(self.full)
         self.gathered = False
