@@ -1,5 +1,6 @@
 """The `paratrain` command: `run` starts a job through PyTorch's elastic launcher (launch.py),
-`env` shows what a rank sees (envinfo.py), `ckpt info` what a checkpoint holds (ckpt_cli.py).
+`verify` checks a job on N processes against one (verify.py), `env` shows what a rank sees
+(envinfo.py), `ckpt info|export` what a checkpoint holds and its model as one file (ckpt_cli.py).
 
 Bad input exits with status 2 and one line saying what to change (as argparse does).
 """
@@ -16,6 +17,7 @@ from paratrain.ckpt_cli import add_ckpt_parser, ckpt
 from paratrain.envinfo import env
 from paratrain.errors import ParatrainError
 from paratrain.launch import add_run_parser, run
+from paratrain.verify import add_verify_parser, verify
 
 class _Parser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line (no usage block), exit status 2."""
@@ -27,9 +29,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="paratrain", description="Launch and inspect paratrain jobs.")
     parser.add_argument("--version", action="version", version=_version())
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,env,ckpt}",
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,verify,env,ckpt}",
                                      parser_class=_Parser)
     add_run_parser(commands)
+    add_verify_parser(commands)
     commands.add_parser("env", help="print what a script would see: ranks, groups, backend, device",
                         description="Print this process's place in the job (rank, local rank, "
                         "world, node, backend, device, groups), one line prefixed by the rank.")
@@ -43,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "run":
             sys.exit(run(args))
+        if args.command == "verify":
+            sys.exit(verify(args))
         if args.command == "ckpt":
             return ckpt(args)
         env()

@@ -17,6 +17,7 @@ by `session.step()`. Checkpoint methods are in resume.py, the progress bar in pr
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Any, Callable, Iterable, Iterator
 
@@ -43,6 +44,7 @@ from paratrain.session_facts import JobFacts
 from paratrain.step import check_finite_loss, optimizer_step
 from paratrain.strategy import resolve
 from paratrain.topology import Topology, destroy
+from paratrain.verify import StepRecorder
 
 
 class Session(JobFacts, SessionCheckpoints):
@@ -90,7 +92,7 @@ class Session(JobFacts, SessionCheckpoints):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be a positive norm to clip to; got {max_grad_norm} "
                               "(leave it None not to clip)")
-        self.strategy = resolve(strategy)
+        self.strategy = resolve(StepRecorder.strategy(strategy))  # `paratrain verify` may choose it
         self.accumulate, self.max_grad_norm, self.seed = accumulate, max_grad_norm, seed
         self.topology = (topology or Topology.from_env()).init(timeout, debug_collectives=debug_collectives)
         self.grid = self.strategy.grid(self.topology)  # every process group comes from it (grid.py)
@@ -109,6 +111,7 @@ class Session(JobFacts, SessionCheckpoints):
         self.step_boundary: dict | None = None  # the loop at the last optimizer step (resume.py)
         self.preemption = Preemption(str(checkpoint_on_preempt)) if checkpoint_on_preempt else None
         self.activation_checkpointing = activation_checkpointing
+        self._verify = StepRecorder.from_env(self.rank)  # under `paratrain verify` only (verify.py)
         torch.manual_seed(seed)
 
     # -- setup -----------------------------------------------------------------------------------
@@ -127,6 +130,8 @@ class Session(JobFacts, SessionCheckpoints):
             raise UsageError("setup() was already called on this session: keep using the model, "
                              "optimizer and loader it returned, or make a new Session for another model")
         self.given = describe(model, optimizer)
+        if self._verify is not None:
+            self._verify.prepare(model)
         if self.activation_checkpointing is not None:
             checkpoint_activations(uncompiled(model), self.activation_checkpointing)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid,
@@ -164,6 +169,8 @@ class Session(JobFacts, SessionCheckpoints):
 
         with self.accumulation():
             loss = model.forward_backward(inputs, targets, checked, self._loss_factor(weight))
+        if self._verify is not None:
+            self._verify.loss(loss)
         self.last_loss = loss
         self.step()
         return loss
@@ -205,6 +212,8 @@ class Session(JobFacts, SessionCheckpoints):
             loss = session.train_step((x, targets), lambda out, y: F.cross_entropy(
                 out.flatten(0, 1), y.flatten(), ignore_index=PAD), weight=mask.sum())"""
         self._check_finite(check_loss(loss))
+        if self._verify is not None:
+            self._verify.loss(loss.detach())
         (loss * self._loss_factor(weight)).backward()
 
     def _loss_factor(self, weight: float | torch.Tensor | None) -> float:
@@ -227,8 +236,13 @@ class Session(JobFacts, SessionCheckpoints):
             return False
         if self.optimizer is None:
             raise UsageError("step() needs an optimizer: pass it to session.setup(model, optimizer)")
-        result = optimizer_step(self._require_model(), self.optimizer, weights=self._weights, scaler=self.scaler,
-                                max_grad_norm=self.max_grad_norm, check_finite=self.nan_check)
+        model = self._require_model()
+        result = optimizer_step(model, self.optimizer, weights=self._weights, scaler=self.scaler,
+                                max_grad_norm=self.max_grad_norm, check_finite=self.nan_check,
+                                before_step=self._verify and functools.partial(self._verify.before_step, model))
+        if self._verify is not None and self._verify.after_step(model, self.precision):
+            self.close()  # the steps `paratrain verify` asked for are recorded: the run ends here
+            raise SystemExit(0)
         note_micro_step(self, optimizer_step=True)  # the loader's count, the step boundary (resume.py)
         if self.meter is not None:
             self.meter.after_step(self, result)  # automatic metric rows (autolog.py)

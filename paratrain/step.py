@@ -34,8 +34,10 @@ class StepResult(NamedTuple):
 
 
 def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, weights: TokenWeights,
-                   scaler: GradScaler | None, max_grad_norm: float | None, check_finite: bool) -> StepResult:
-    """Normalise, unscale, check, clip, step and zero the gradients."""
+                   scaler: GradScaler | None, max_grad_norm: float | None, check_finite: bool,
+                   before_step: Callable[[], None] | None = None) -> StepResult:
+    """Normalise, unscale, check, clip, step and zero the gradients; `before_step()` sees the
+    gradients as the optimizer is about to read them (`paratrain verify` records them there)."""
     factor = weights.normaliser(model.replicas)
     skip, norm = False, None
     if scaler is not None or factor != 1.0 or (check_finite and max_grad_norm is None):
@@ -50,6 +52,8 @@ def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, w
         norm = model.clip_grad_norm_(max_grad_norm)
         if check_finite and not torch.isfinite(norm):  # the norm is global: every rank agrees
             raise _non_finite(model, "gradient norm")
+    if before_step is not None:
+        before_step()
     if not skip:  # every rank agrees: the flags were reduced over the gradients' holders
         optimizer.step()
     if scaler is not None:
