@@ -39,6 +39,10 @@ from paratrain.ring import ring_all_reduce
 from paratrain.session import Session
 from paratrain.topology import Topology, destroy
 
+from paratrain import flight_hooks  # noqa: E402
+
+flight_hooks.install()  # every rank records its last collectives (flight_recorder.py; PARATRAIN_FLIGHT_RECORDER=0: off)
+
 __version__ = "0.1.0"
 
 __all__ = [
