@@ -37,6 +37,7 @@ from paratrain.parallel.zero import WrapPolicy, ZeRO, shard
 from paratrain.precision import GradScaler
 from paratrain.ring import ring_all_reduce
 from paratrain.session import Session
+from paratrain.step_watch import StepWarning, StepWarnings
 from paratrain.topology import Topology, destroy
 
 from paratrain import flight_hooks  # noqa: E402
@@ -54,6 +55,6 @@ __all__ = [
     "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel", "LayersOnDevices",
     "PipelineStage",
     "shard", "full_state_dict", "WrapPolicy",
-    "GradScaler", "MetricsLogger", "Logging", "checkpoint_activations", "materialize",
+    "GradScaler", "MetricsLogger", "Logging", "StepWarning", "StepWarnings", "checkpoint_activations", "materialize",
     "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
 ]

@@ -21,7 +21,7 @@ LAYERS = [
     {"parallel.base"},
     {"parallel.*"},
     {"strategy"},
-    {"batch", "preemption", "autolog", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step"},
+    {"batch", "preemption", "autolog", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step", "step_watch"},
     {"session_facts", "session"},
     {"launch", "envinfo", "ckpt_cli", "cli", "testing", "__init__", "__main__"},
 ]
