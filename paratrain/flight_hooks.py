@@ -16,7 +16,8 @@ Not covered (these never pass through the wrappers):
   other that way, so `all_gather_object` is recorded once, not with the gathers inside it;
 - collectives issued from C++: torch's own `torch.nn.parallel.DistributedDataParallel` reducer,
   `ProcessGroup` methods called directly, functional collectives (DTensor, FSDP2,
-  `torch.distributed._functional_collectives`) and code compiled by torch.compile;
+  `torch.distributed._functional_collectives`) and code compiled by torch.compile (the
+  wrapper hands dynamo torch's own function, which it traces as it would without paratrain);
 - the call site of a collective issued from a thread with no Python caller (autograd's CUDA
   device threads run DDP's hooks): recorded without one.
 
@@ -110,6 +111,8 @@ def _wrap(name: str, original):
 
     @functools.wraps(original)
     def recorded(*args, **kwargs):
+        if torch.compiler.is_compiling():  # dynamo traces torch's own function, as without us
+            return original(*args, **kwargs)
         group = kwargs.get("group", args[group_at] if group_at is not None and len(args) > group_at else None)
         if name == "batch_isend_irecv":
             ops = args[0] if args else kwargs["p2p_op_list"]

@@ -61,7 +61,10 @@ def report(error: ChildFailedError, notes_dir: str) -> int:
     first_rank, _ = error.get_first_failure()
     ends = read_ends(error, notes_dir)
     lines, status = summarize(ends, first_rank)
-    lines += hang_report.describe(hang_report.read_rings(notes_dir, {r: e.pid for r, e in ends.items()}))
+    try:
+        lines += hang_report.describe(hang_report.read_rings(notes_dir, {r: e.pid for r, e in ends.items()}))
+    except (KeyError, TypeError, ValueError, IndexError) as e:  # a ring of another version: the rest stands
+        lines.append(f"the ranks' flight recorder rings could not be read ({type(e).__name__}: {e})")
     print("\n".join(f"paratrain run: {line}" for line in lines), file=sys.stderr)
     return _status(status)
 

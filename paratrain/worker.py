@@ -30,7 +30,9 @@ thread comes back to Python, after the collective's timeout, long after the laun
 and sent SIGKILL. So SIGTERM also wakes a thread (through `signal.set_wakeup_fd`, which the
 interpreter's C-level handler writes to at once), and that thread writes the ring while the main
 thread waits in C++ without the GIL, then ends the process by SIGTERM as before. When another
-handler has taken SIGTERM since (Session(checkpoint_on_preempt=...)), the thread leaves it alone.
+handler has taken SIGTERM since (Session(checkpoint_on_preempt=...)), the thread leaves it alone;
+code that installs a wakeup fd of its own (an asyncio loop, while it runs) leaves only the
+main-thread path.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def _leave_notes(directory: str, env, *, rank: int, attempt: int) -> None:
     ring = functools.partial(flight_recorder.dump, os.path.join(directory, f"{pid}.ring"),
                              rank=rank, attempt=attempt, world=_int_or_none(env.get("WORLD_SIZE")))
     flight_recorder.RECORDER.on_failure = ring
-    _dump_ring_on_sigterm(ring)  # first: faulthandler, registered next, chains to it
+    if flight_recorder.RECORDER.capacity:  # off: SIGTERM ends the rank as it always did
+        _dump_ring_on_sigterm(ring)  # first: faulthandler, registered next, chains to it
     _dump_stack_on_sigterm(os.path.join(directory, f"{pid}.stack"))
     previous = sys.excepthook
 

@@ -142,3 +142,21 @@ def test_p2p_batches_and_async_receives_are_recorded():
     recv = rank0[-1]
     assert (recv["op"], recv["detail"], recv["state"]) == ("irecv", "from 1", "completed")
     assert (rank1[-1]["op"], rank1[-1]["detail"]) == ("send", "to 0")
+
+
+def _compiled(topo):
+    import torch._dynamo
+
+    @torch.compile(backend="eager", fullgraph=True)  # fullgraph: a graph break would raise
+    def step(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return y + 1
+
+    before = len(_entries())
+    return step(torch.ones(3)), len(_entries()) - before
+
+
+def test_compiled_code_traces_torchs_own_collective():
+    out, recorded = run_on_ranks(_compiled, 1, timeout=120)[0]
+    assert torch.equal(out, torch.full((3,), 3.0)) and recorded == 0  # not covered, and not in the way

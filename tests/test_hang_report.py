@@ -26,6 +26,7 @@ x = torch.ones(4)
 
 def parted():  # notes when the ranks go separate ways
     open(f"{sys.argv[1]}{topo.rank}", "w").write(repr(time.time()))
+
 """
 
 SCRIPTS = {
