@@ -26,15 +26,19 @@ then wraps the model, makes the optimizer and runs 3 steps, and reads VmHWM. Rep
 VmHWM - VmRSS before wrapping, the larger of the two ranks: everything the wrapper and training
 add (buckets, gradients, momentum, activations, collective buffers).
 
-Phase 2, speed and agreement: one job per model. Each rank wraps two deep copies of one seeded
-model, one per implementation, with an optimizer each; both see the same per-rank batches in the
-same order. After warm-up steps, `--rounds` rounds in which each implementation runs `--steps`
-timed steps, alternating which goes first (ranks meet at a barrier before each block). A step
+Phase 2, speed and agreement: one job per model. Each rank wraps deep copies of one seeded
+model, one per implementation, with an optimizer each; all see the same per-rank batches in the
+same order. A third implementation, "ours_no_recorder", is ours again with the flight recorder
+switched off for its steps (`flight_hooks.off()`: torch.distributed's own functions, as under
+PARATRAIN_FLIGHT_RECORDER=0); recorder_overhead is ours_ms / ours_no_recorder_ms - 1, the step
+time the recorder costs (its target: at most 1%). After warm-up steps, `--rounds` rounds in
+which each implementation runs `--steps` timed steps, the order rotated by one each round (ranks
+meet at a barrier before each block). A step
 (forward, loss, backward, optimizer step, zero_grad) takes as long as its slowest rank; reported:
 the median over all timed steps (and each round's median, to show the noise). Also reported, as
 *_cpu_ms: the median CPU time of the training thread per step (time.thread_time, larger rank),
 which leaves out waiting for the all-reduces and for other processes, so it shows what each
-wrapper adds on the critical thread even on a busy machine. Both have then done the same steps
+wrapper adds on the critical thread even on a busy machine. All have then done the same steps
 from the same start, and max_param_diff is the largest |ours - torch| over all parameters.
 """
 
@@ -54,11 +58,13 @@ from common import (MODELS, SEQ, bench_parser, parse_bench_args, loss_of, make_b
                     reset_peak_rss, return_freed_memory_to_os, rss_mb, summarize_times,
                     time_interleaved, train_step,
                     load_at_start, write_results)
+from paratrain import flight_hooks  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, THREADS, LR, MEMORY_STEPS, DATA_BATCHES = 2, 1, 1e-3, 3, 4
 WRAPPERS = {"ours": pt.DistributedDataParallel, "torch": torch.nn.parallel.DistributedDataParallel}
 CASES = {name: (name, None) for name in MODELS} | {"mlp+bf16": ("mlp", "bf16")}  # row: (model, comm hook)
+TIMED = [*WRAPPERS, "ours_no_recorder"]  # ours once more, with the flight recorder off
 
 
 def _torch_bf16(state, bucket):
@@ -67,10 +73,17 @@ def _torch_bf16(state, bucket):
 
 
 def _wrap(impl: str, model: torch.nn.Module, hook: str | None) -> torch.nn.Module:
-    ddp = WRAPPERS[impl](model)
+    ddp = WRAPPERS[impl.removesuffix("_no_recorder")](model)
     if hook == "bf16":
-        ddp.register_comm_hook(None, bf16_compress_hook if impl == "ours" else _torch_bf16)
+        ddp.register_comm_hook(None, _torch_bf16 if impl == "torch" else bf16_compress_hook)
     return ddp
+
+
+def _step(impl: str, ddp: torch.nn.Module, opt: torch.optim.Optimizer, x, y) -> torch.Tensor:
+    if impl == "ours_no_recorder":
+        with flight_hooks.off():
+            return train_step(ddp, opt, x, y)
+    return train_step(ddp, opt, x, y)
 
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -96,12 +109,13 @@ def peak_memory(topo, name: str, hook: str | None, impl: str, batch: int) -> flo
 def speed(topo, name: str, hook: str | None, batch: int, warmup: int, rounds: int, steps: int) -> dict:
     """Per-step seconds of each implementation and the parameter difference after (phase 2)."""
     model = make_model(name)
-    ddps = {impl: _wrap(impl, copy.deepcopy(model), hook) for impl in WRAPPERS}
+    ddps = {impl: _wrap(impl, copy.deepcopy(model), hook) for impl in TIMED}
     opts = {impl: _optimizer(ddp) for impl, ddp in ddps.items()}
     batches = make_batches(name, batch, DATA_BATCHES, seed=100 + topo.rank)
-    step_of = {impl: (lambda x, y, impl=impl: train_step(ddps[impl], opts[impl], x, y)) for impl in ddps}
+    step_of = {impl: (lambda x, y, impl=impl: _step(impl, ddps[impl], opts[impl], x, y)) for impl in ddps}
     timed = time_interleaved(step_of, batches, warmup=warmup, rounds=rounds, steps=steps)
-    return dict(**timed, diff=max_param_diff(ddps["ours"].module, ddps["torch"].module))
+    return dict(**timed, diff=max_param_diff(ddps["ours"].module, ddps["torch"].module),
+                recorder_diff=max_param_diff(ddps["ours"].module, ddps["ours_no_recorder"].module))
 
 
 def bench_model(case: str, args) -> dict:
@@ -111,9 +125,12 @@ def bench_model(case: str, args) -> dict:
               for impl in WRAPPERS}
     results = run_on_ranks(speed, WORLD, name, hook, args.batch, args.warmup, args.rounds, args.steps,
                            threads=THREADS, timeout=900, collective_timeout=300)
-    times = summarize_times(results, list(WRAPPERS), args.steps)
+    times = summarize_times(results, TIMED, args.steps)
+    if max(r["recorder_diff"] for r in results):
+        raise RuntimeError("the flight recorder changed what training computed")
     return dict(params=sum(p.numel() for p in make_model(name).parameters()),
                 ratio=times["ours_ms"] / times["torch_ms"], max_param_diff=max(r["diff"] for r in results),
+                recorder_overhead=times["ours_ms"] / times["ours_no_recorder_ms"] - 1,
                 ours_peak_mb=memory["ours"], torch_peak_mb=memory["torch"], **times)
 
 
@@ -128,10 +145,12 @@ def _report(models: dict) -> None:
                  ("torch_ms", "torch ms", ".1f"), ("ratio", "ratio", ".3f"),
                  ("ours_cpu_ms", "ours cpu", ".1f"), ("torch_cpu_ms", "torch cpu", ".1f"),
                  ("max_param_diff", "max diff", ".1e"), ("ours_peak_mb", "ours MiB", ".1f"),
-                 ("torch_peak_mb", "torch MiB", ".1f")])
+                 ("torch_peak_mb", "torch MiB", ".1f"), ("ours_no_recorder_ms", "no rec ms", ".1f"),
+                 ("recorder_overhead", "recorder", "+.2%")])
     missed = [f"{name}: {what}" for name, m in models.items() for what, ok in
               [("ratio > 1.05", m["ratio"] <= 1.05), ("max_param_diff > 1e-6", m["max_param_diff"] <= 1e-6),
-               ("more peak memory than torch", m["ours_peak_mb"] <= m["torch_peak_mb"])] if not ok]
+               ("more peak memory than torch", m["ours_peak_mb"] <= m["torch_peak_mb"]),
+               ("flight recorder overhead > 1%", m["recorder_overhead"] <= 0.01)] if not ok]
     print("targets missed: " + "; ".join(missed) if missed else "all targets met")
 
 

@@ -37,8 +37,13 @@ from paratrain.parallel.zero import WrapPolicy, ZeRO, shard
 from paratrain.precision import GradScaler
 from paratrain.ring import ring_all_reduce
 from paratrain.session import Session
+from paratrain.step_watch import StepWarning, StepWarnings
 from paratrain.topology import Topology, destroy
 from paratrain.weights import load_weights
+
+from paratrain import flight_hooks  # noqa: E402
+
+flight_hooks.install()  # every rank records its last collectives (flight_recorder.py; PARATRAIN_FLIGHT_RECORDER=0: off)
 
 __version__ = "0.1.0"
 
@@ -51,6 +56,7 @@ __all__ = [
     "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel", "LayersOnDevices",
     "PipelineStage",
     "shard", "full_state_dict", "WrapPolicy",
-    "GradScaler", "MetricsLogger", "Logging", "checkpoint_activations", "materialize", "load_weights",
+    "GradScaler", "MetricsLogger", "Logging", "StepWarning", "StepWarnings", "checkpoint_activations",
+    "materialize", "load_weights",
     "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
 ]

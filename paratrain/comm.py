@@ -31,8 +31,20 @@ SUM = dist.ReduceOp.SUM
 
 # One flat tensor in, one out: torch 2.13 deprecates `all_gather_into_tensor`/`reduce_scatter_tensor`
 # in favour of the `_single` names; torch 2.4 has only the old ones. Same arguments as torch's.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up on `dist` at each call, as everything here is, so the flight recorder's wrappers
+# (flight_hooks.py) see them.
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """torch's all_gather_single (all_gather_into_tensor before torch 2.13)."""
+    return getattr(dist, _ALL_GATHER)(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=SUM, group=None, async_op: bool = False):
+    """torch's reduce_scatter_single (reduce_scatter_tensor before torch 2.13)."""
+    return getattr(dist, _REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
 
 
 @dataclass

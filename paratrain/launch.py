@@ -4,7 +4,7 @@ It builds an argument list for torchrun and calls its `main`, so the elastic age
 workers per node, watches them, restarts the group up to `--max-restarts` times, and kills the
 survivors when one rank fails: no orphans, no home-made process manager. What torchrun reports
 as `ChildFailedError` becomes a short summary naming the rank at fault (postmortem.py, from the
-notes the ranks leave: worker.py). The ranks die with this process, even when it is SIGKILLed.
+notes the ranks leave: worker.py), and where each rank was in its collectives (hang_report.py). The ranks die with this process, even when it is SIGKILLed.
 
 Rendezvous: one node with no --master-port, torchrun's standalone c10d rendezvous on a free port;
 several nodes with --master-addr, a static one (node ranks given); with --rdzv-backend (c10d,
@@ -79,6 +79,9 @@ def add_run_parser(commands) -> None:
     run.add_argument("--debug-collectives", action="store_true",
                      help="check that every rank issues the same collective and fail naming both when they "
                           "differ, instead of hanging (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL; slower)")
+    run.add_argument("--flight-recorder", type=int, metavar="N",
+                     help="each rank keeps its last N collectives for the failure report; 0 turns it off "
+                          "(exported as PARATRAIN_FLIGHT_RECORDER; default: 512)")
     run.add_argument("--backend", choices=("gloo", "nccl"),
                      help="exported as PARATRAIN_BACKEND (default: nccl with CUDA, else gloo)")
     run.add_argument("--rdzv-backend", metavar="NAME", help="dynamic rendezvous (c10d, etcd): nodes join at "
@@ -188,6 +191,8 @@ def _check_limits(args: argparse.Namespace) -> None:
         raise ConfigError(f"--master-port must be in 1 … 65535; got {args.master_port}")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more; got {args.max_restarts}")
+    if args.flight_recorder is not None and args.flight_recorder < 0:
+        raise ConfigError(f"--flight-recorder is a number of collectives to keep, 0 or more; got {args.flight_recorder}")
     if args.timeout is not None and not args.timeout > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds; got {args.timeout:g}")
     if args.backend:
@@ -202,6 +207,8 @@ def export_env(args: argparse.Namespace) -> None:
         os.environ["PARATRAIN_TIMEOUT"] = str(args.timeout)
     if args.backend:
         os.environ["PARATRAIN_BACKEND"] = args.backend
+    if args.flight_recorder is not None:  # read when a rank imports paratrain (flight_recorder.py)
+        os.environ["PARATRAIN_FLIGHT_RECORDER"] = str(args.flight_recorder)
     if args.debug_collectives:  # read by Topology.init, before the process group exists
         os.environ["PARATRAIN_DEBUG_COLLECTIVES"] = "1"
     os.environ[worker.LAUNCHER_PID] = str(os.getpid())  # the ranks die with this process (worker.py)

@@ -59,6 +59,15 @@ class MetricsLogger:
                 sink.write(step, means)
         return means
 
+    def record(self, step: int, /, **values: float) -> None:
+        """Write values every rank already agrees on (step_watch.py's events) as a row under
+        `step`, on the main rank, without averaging: not a collective, any rank may call it."""
+        if self.is_main:
+            row = _floats(values)
+            self._append({"step": step, **row})
+            for sink in self._sinks:
+                sink.write(step, row)
+
     def close(self) -> None:
         for sink in self._sinks:
             sink.close()

@@ -12,6 +12,9 @@ it was when the launcher stopped it. The blame goes, in this order, to
 3. a rank the launcher stopped outside any collective while another gave up waiting in one;
 4. failing all of these, the agent's first failure, with what every rank was waiting in.
 
+Then, from the rings the ranks' flight recorders left (hang_report.py): where each rank was in
+its collectives, which ranks are behind, and the user's line where their histories first differ.
+
 The notes cover this node's ranks only; with several nodes the rank at fault may be on another.
 """
 
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from paratrain import hang_report
 
 # frames under these are not the user's: torch, paratrain, the standard library, installed packages
 _LIBRARIES = tuple({os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
@@ -54,7 +59,12 @@ class RankEnd:
 def report(error: ChildFailedError, notes_dir: str) -> int:
     """Print the summary on stderr; return the exit status of the failed rank it names."""
     first_rank, _ = error.get_first_failure()
-    lines, status = summarize(read_ends(error, notes_dir), first_rank)
+    ends = read_ends(error, notes_dir)
+    lines, status = summarize(ends, first_rank)
+    try:
+        lines += hang_report.describe(hang_report.read_rings(notes_dir, {r: e.pid for r, e in ends.items()}))
+    except (KeyError, TypeError, ValueError, IndexError) as e:  # a ring of another version: the rest stands
+        lines.append(f"the ranks' flight recorder rings could not be read ({type(e).__name__}: {e})")
     print("\n".join(f"paratrain run: {line}" for line in lines), file=sys.stderr)
     return _status(status)
 

@@ -42,6 +42,7 @@ from paratrain.progress import progress
 from paratrain.resume import SessionCheckpoints, note_micro_step, position
 from paratrain.session_facts import JobFacts
 from paratrain.step import check_finite_loss, optimizer_step
+from paratrain.step_watch import StepWarnings, StepWatch
 from paratrain.strategy import resolve
 from paratrain.topology import Topology, destroy
 from paratrain.verify import StepRecorder
@@ -75,6 +76,8 @@ class Session(JobFacts, SessionCheckpoints):
     activation_checkpointing: recompute these modules' activations in backward instead of keeping
         them: "auto" (the blocks of every ModuleList of identical blocks), a module class, or a
         predicate fn(name, module); applied in setup, under every strategy (activation_checkpointing.py).
+    step_warnings: when an fp16 step is skipped, the loss scale keeps halving or the gradient norm
+        jumps: a rank-0 `StepWarning` and a metrics row (step_watch.py); None: silent.
     """
 
     def __init__(self, strategy: str | Strategy = "ddp", *, accumulate: int = 1,
@@ -83,7 +86,7 @@ class Session(JobFacts, SessionCheckpoints):
                  log_dir: str | os.PathLike | None = None, debug_collectives: bool | None = None,
                  precision: str = "32", grad_scaler: GradScaler | None = None,
                  checkpoint_on_preempt: str | os.PathLike | None = None, logging: Logging | None = None,
-                 activation_checkpointing: Which | None = None):
+                 activation_checkpointing: Which | None = None, step_warnings: StepWarnings | None = StepWarnings()):
         if accumulate < 1:
             raise ConfigError(f"accumulate must be at least 1; got {accumulate}")
         self.precision, self.autocast_dtype = precision, autocast_dtype(precision)
@@ -111,6 +114,7 @@ class Session(JobFacts, SessionCheckpoints):
         self.step_boundary: dict | None = None  # the loop at the last optimizer step (resume.py)
         self.preemption = Preemption(str(checkpoint_on_preempt)) if checkpoint_on_preempt else None
         self.activation_checkpointing = activation_checkpointing
+        self.watch = StepWatch(step_warnings) if step_warnings is not None else None
         self._verify = StepRecorder.from_env(self.rank)  # under `paratrain verify` only (verify.py)
         torch.manual_seed(seed)
 
@@ -244,6 +248,8 @@ class Session(JobFacts, SessionCheckpoints):
             self.close()  # the steps `paratrain verify` asked for are recorded: the run ends here
             raise SystemExit(0)
         note_micro_step(self, optimizer_step=True)  # the loader's count, the step boundary (resume.py)
+        if self.watch is not None:
+            self.watch.after_step(self, result)  # skipped steps, a falling scale, norm jumps (step_watch.py)
         if self.meter is not None:
             self.meter.after_step(self, result)  # automatic metric rows (autolog.py)
         after_optimizer_step(self, self.preemption)  # may checkpoint and exit (preemption.py)

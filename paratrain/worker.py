@@ -22,6 +22,17 @@ rank therefore writes a note into PARATRAIN_REPORT_DIR, named by its pid: how it
 "exception", or "collective" for an exception raised by torch.distributed after a timeout or a
 lost peer) and when. When the launcher stops it with SIGTERM, faulthandler writes where it was
 (`<pid>.stack`). paratrain/postmortem.py reads them to name the rank at fault.
+
+Each rank also writes its flight recorder's ring (`<pid>.ring`, flight_recorder.py): when a
+collective fails, on an uncaught exception, at exit, and on SIGTERM. The last is the hard one: a
+rank blocked inside a collective is in C++, and Python runs a signal handler only when the main
+thread comes back to Python, after the collective's timeout, long after the launcher has given up
+and sent SIGKILL. So SIGTERM also wakes a thread (through `signal.set_wakeup_fd`, which the
+interpreter's C-level handler writes to at once), and that thread writes the ring while the main
+thread waits in C++ without the GIL, then ends the process by SIGTERM as before. When another
+handler has taken SIGTERM since (Session(checkpoint_on_preempt=...)), the thread leaves it alone;
+code that installs a wakeup fd of its own (an asyncio loop, while it runs) leaves only the
+main-thread path.
 """
 
 from __future__ import annotations
@@ -29,12 +40,16 @@ from __future__ import annotations
 import atexit
 import ctypes
 import faulthandler
+import functools
 import json
 import os
 import re
 import signal
 import sys
+import threading
 import time
+
+from paratrain import flight_recorder
 
 LAUNCHER_PID = "PARATRAIN_LAUNCHER_PID"  # exported by `paratrain run`: its own pid
 REPORT_DIR = "PARATRAIN_REPORT_DIR"  # exported by `paratrain run`: where ranks leave their notes
@@ -53,7 +68,7 @@ def attach(env=os.environ) -> None:
     if sys.platform.startswith("linux"):  # elsewhere a SIGKILLed launcher leaves its ranks running
         _die_with(launcher)
     if os.getppid() == launcher and env.get(REPORT_DIR):  # not in a rank's own children
-        _leave_notes(env[REPORT_DIR], rank=int(env.get("RANK", 0)),
+        _leave_notes(env[REPORT_DIR], env, rank=int(env.get("RANK", 0)),
                      attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
 
@@ -81,12 +96,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _leave_notes(directory: str, *, rank: int, attempt: int) -> None:
+def _leave_notes(directory: str, env, *, rank: int, attempt: int) -> None:
     """Write `<pid>.json` now, on an uncaught exception and at exit; `<pid>.stack` on SIGTERM."""
     pid = os.getpid()
     path = os.path.join(directory, f"{pid}.json")
     note = dict(rank=rank, attempt=attempt, pid=pid, kind="running", time=time.time())
     _write(path, note)
+    ring = functools.partial(flight_recorder.dump, os.path.join(directory, f"{pid}.ring"),
+                             rank=rank, attempt=attempt, world=_int_or_none(env.get("WORLD_SIZE")))
+    flight_recorder.RECORDER.on_failure = ring
+    if flight_recorder.RECORDER.capacity:  # off: SIGTERM ends the rank as it always did
+        _dump_ring_on_sigterm(ring)  # first: faulthandler, registered next, chains to it
     _dump_stack_on_sigterm(os.path.join(directory, f"{pid}.stack"))
     previous = sys.excepthook
 
@@ -96,6 +116,7 @@ def _leave_notes(directory: str, *, rank: int, attempt: int) -> None:
             note.update(kind=kind, error=_describe_exception(value, brief=kind == "collective"),
                         time=time.time())
             _write(path, note)
+            ring()
         previous(exc_type, value, tb)
 
     def at_exit():
@@ -103,6 +124,7 @@ def _leave_notes(directory: str, *, rank: int, attempt: int) -> None:
             if note["kind"] == "running":
                 note.update(kind="exit", time=time.time())
             _write(path, note)
+            ring()
 
     sys.excepthook = excepthook
     atexit.register(at_exit)
@@ -130,12 +152,58 @@ def preempted_ranks(directory: str) -> dict[int, str]:
     return ranks
 
 
+def _dump_ring_on_sigterm(dump) -> None:
+    """On SIGTERM, `dump()` the flight recorder's ring, then die of SIGTERM ([Note: last words])."""
+    if not hasattr(signal, "set_wakeup_fd") or threading.current_thread() is not threading.main_thread():
+        return
+    pid, once = os.getpid(), threading.Lock()
+
+    def last_words(signum=signal.SIGTERM, frame=None) -> None:
+        if os.getpid() == pid and once.acquire(blocking=False):
+            dump()
+            _die_of(signal.SIGTERM)
+
+    readable, writable = os.pipe()
+    os.set_blocking(writable, False)  # set_wakeup_fd's requirement
+
+    def watch() -> None:
+        while True:
+            signums = os.read(readable, 64)
+            if signal.SIGTERM in signums and signal.getsignal(signal.SIGTERM) is last_words:
+                last_words()
+
+    signal.signal(signal.SIGTERM, last_words)  # the main thread's way, when it is in Python
+    signal.set_wakeup_fd(writable, warn_on_full_buffer=False)
+    threading.Thread(target=watch, name="paratrain-last-words", daemon=True).start()
+    # a forked child (a DataLoader worker) shares the pipe: its own SIGTERM must not end the rank
+    os.register_at_fork(after_in_child=_forget_sigterm)
+
+
+def _forget_sigterm() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # forked from another thread: it cannot change handlers, nor get our SIGTERM's dump
+        pass
+
+
+def _die_of(signum: int) -> None:
+    """End this process by `signum`'s default action, from any thread (Python's signal.signal
+    is for the main thread only; libc's is not)."""
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal(int(signum), ctypes.c_void_p(0))  # SIG_DFL
+    os.kill(os.getpid(), signum)
+    time.sleep(5)
+    os.kill(os.getpid(), signal.SIGKILL)  # never reached: the signal has ended the process
+
+
 def _dump_stack_on_sigterm(path: str) -> None:
     """Where every thread is when the launcher stops this rank; faulthandler writes it from the
     signal handler, so it works while the main thread is blocked inside a collective."""
     if not hasattr(faulthandler, "register"):
         return  # Windows
-    # chain=True: after the dump the previous handler runs (the default one ends the process)
+    # chain=True: after the dump the previous handler runs (_dump_ring_on_sigterm's, or the default)
     faulthandler.register(signal.SIGTERM, file=open(path, "w"), all_threads=True, chain=True)
     # a forked child (a DataLoader worker) shares the rank's process group, so it gets the
     # launcher's SIGTERM too: it must not write into the rank's file

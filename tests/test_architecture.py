@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "paratrain"
 # Lower layers never import higher ones (README, "How it is built"). Inside a layer, imports must
 # not form a cycle.
 LAYERS = [
-    {"errors", "worker", "postmortem"},
+    {"errors", "flight_recorder", "worker", "hang_report", "postmortem", "flight_hooks"},
     {"topology"},
     {"grid"},
     {"comm"},
@@ -21,7 +21,7 @@ LAYERS = [
     {"parallel.base"},
     {"parallel.*"},
     {"strategy"},
-    {"batch", "preemption", "autolog", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step"},
+    {"batch", "preemption", "autolog", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step", "step_watch"},
     {"session_facts", "session"},
     {"launch", "envinfo", "ckpt_cli", "cli", "testing", "__init__", "__main__"},
 ]
