@@ -16,6 +16,7 @@ the other backends) with what a user would otherwise compute by hand:
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from paratrain.errors import ConfigError
+from paratrain.metrics import MetricsLogger
 from paratrain.progress import batch_len
 
 if TYPE_CHECKING:
@@ -87,3 +89,15 @@ class StepMeter:
             per_device = self.logging.flops_per_sample * row["samples_per_second"] / session.world_size
             row["mfu"] = per_device / self.logging.peak_flops
         return row
+
+
+def open_metrics(log_dir: str | os.PathLike | None, logging: Logging | None,
+                 is_main: bool) -> tuple[MetricsLogger | None, StepMeter | None]:
+    """The metrics files (when there is a log_dir) and the automatic rows (Logging(every=10) by default)."""
+    if log_dir is None:
+        if logging is not None:
+            raise ConfigError("Session(logging=...) writes into a log_dir: pass Session(log_dir=...) too")
+        return None, None
+    logging = logging or Logging()
+    metrics = MetricsLogger(log_dir, is_main=is_main, backends=logging.backends, project=logging.project)
+    return metrics, StepMeter(logging) if logging.every else None

@@ -130,7 +130,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                           "save that was interrupted; use paratrain.checkpoint.latest(root)")
     verify(path)
     reader = SafeReader(path)
-    metadata = _read(reader.read_metadata, path)
+    metadata = read_or_damaged(reader.read_metadata, path)
     meta = _read_meta(path, metadata)
     optim_keys = _optimizer_keys(metadata) if optimizer is not None else None
     entries, shapes = state_entries(model, optimizer, optim_keys)
@@ -138,7 +138,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     rng = {k.split("/", 2)[2]: torch.empty(metadata.state_dict_metadata[k].size, dtype=torch.uint8)
            for k in metadata.state_dict_metadata if k.startswith(f"rng/{rank()}/")}
     entries.update({f"rng/{rank()}/{k}": v for k, v in rng.items()})
-    _read(lambda: dcp.load(entries, storage_reader=reader), path)
+    read_or_damaged(lambda: dcp.load(entries, storage_reader=reader), path)
     loaded(model)
     if hyperparameters:
         _apply_hyperparameters(optimizer, meta["param_groups"])
@@ -168,7 +168,7 @@ def describe(path: str | os.PathLike) -> tuple[dict, list[tuple[str, torch.dtype
         raise ConfigError(f"{path} is not a complete paratrain checkpoint (" + (f"no {MARKER}" if path.exists()
                           else "nothing exists there") + "): pass a checkpoint directory (root/step-…), not its root")
     verify(path)
-    metadata = _read(SafeReader(path).read_metadata, path)
+    metadata = read_or_damaged(SafeReader(path).read_metadata, path)
     meta = _read_meta(path, metadata)
     tensors = []
     for key, item in sorted(metadata.state_dict_metadata.items()):
@@ -219,7 +219,9 @@ class _MetadataUnpickler(pickle.Unpickler):
                          "holds only tensors and DCP's metadata")
 
 
-def _read(fn, path: Path):
+def read_or_damaged(fn, path: Path):
+    """`fn()`, a read of checkpoint `path`: what DCP or the unpickler raise on a damaged file becomes
+    DamagedCheckpoint naming it."""
     try:
         return fn()
     except (ConfigError, UsageError):
@@ -233,7 +235,7 @@ def _read_meta(path: Path, metadata) -> dict:
     if "meta/json" not in metadata.state_dict_metadata:
         raise ConfigError(f"{path} was not written by paratrain.checkpoint.save")
     blob = torch.empty(metadata.state_dict_metadata["meta/json"].size, dtype=torch.uint8)
-    _read(lambda: dcp.load({"meta/json": blob}, storage_reader=SafeReader(path)), path)
+    read_or_damaged(lambda: dcp.load({"meta/json": blob}, storage_reader=SafeReader(path)), path)
     meta = json_of(blob)
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path} has checkpoint format {meta.get('format')}; this paratrain reads {FORMAT}")

@@ -1,5 +1,5 @@
 """The `paratrain` command: `run` starts a job through PyTorch's elastic launcher (launch.py),
-`verify` checks a job on N processes against one (verify.py), `env` shows what a rank sees
+`verify` checks a job on N processes against one (verify_cli.py, verify.py), `env` shows what a rank sees
 (envinfo.py), `ckpt info|export` what a checkpoint holds and its model as one file (ckpt_cli.py).
 
 Bad input exits with status 2 and one line saying what to change (as argparse does).
@@ -17,7 +17,7 @@ from paratrain.ckpt_cli import add_ckpt_parser, ckpt
 from paratrain.envinfo import env
 from paratrain.errors import ParatrainError
 from paratrain.launch import add_run_parser, run
-from paratrain.verify import add_verify_parser, verify
+from paratrain.verify_cli import add_verify_parser, verify
 
 class _Parser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line (no usage block), exit status 2."""

@@ -23,6 +23,7 @@ the header once: disk, not memory, pays for streaming.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -136,7 +137,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, dtype: to
     """Write checkpoint `path`'s model as `out` (.safetensors), a tensor at a time; floating
     tensors cast to `dtype` if given. Checks the checksums first (DamagedCheckpoint). Returns
     {"tensors", "bytes", "largest"}: what was written, and the largest tensor read."""
-    from paratrain.checkpoint import SafeReader, _read, describe
+    from paratrain.checkpoint import SafeReader, describe, read_or_damaged
 
     meta, stored = describe(path)
     kinds = {key: (dtype_, shape) for key, dtype_, shape in stored}
@@ -153,7 +154,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, dtype: to
             key = f"model/{name}" if name in meta["shapes"] else f"buffers/{name}"
             stored_dtype, shape = kinds[key]
             flat = torch.empty(torch.Size(shape).numel() if key.startswith("model/") else shape, dtype=stored_dtype)
-            _read(lambda: dcp.load({key: flat}, storage_reader=reader, no_dist=True), Path(path))
+            read_or_damaged(functools.partial(dcp.load, {key: flat}, storage_reader=reader, no_dist=True), Path(path))
             value = flat.view(shape)
             largest = max(largest, value.nbytes)
             if dtype is not None and value.is_floating_point():

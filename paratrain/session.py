@@ -32,8 +32,7 @@ from paratrain.batch import unpack
 from paratrain.loader import shard_loader, to_device
 from paratrain.materialize import MetaInit
 from paratrain.errors import ConfigError, UsageError
-from paratrain.autolog import Logging, StepMeter
-from paratrain.metrics import MetricsLogger
+from paratrain.autolog import Logging, open_metrics
 from paratrain.optim import Given, describe, retire_replaced
 from paratrain.parallel.base import ParallelModule, Strategy, check_loss, uncompiled
 from paratrain.preemption import Preemption, after_optimizer_step
@@ -293,15 +292,3 @@ class Session(JobFacts, SessionCheckpoints):
         if self.model is None:
             raise UsageError("call session.setup(model, optimizer, loader) before training")
         return self.model
-
-
-def open_metrics(log_dir: str | os.PathLike | None, logging: Logging | None,
-                 is_main: bool) -> tuple[MetricsLogger | None, StepMeter | None]:
-    """The metrics files (when there is a log_dir) and the automatic rows (Logging(every=10) by default)."""
-    if log_dir is None:
-        if logging is not None:
-            raise ConfigError("Session(logging=...) writes into a log_dir: pass Session(log_dir=...) too")
-        return None, None
-    logging = logging or Logging()
-    metrics = MetricsLogger(log_dir, is_main=is_main, backends=logging.backends, project=logging.project)
-    return metrics, StepMeter(logging) if logging.every else None

@@ -21,9 +21,10 @@ LAYERS = [
     {"parallel.base"},
     {"parallel.*"},
     {"strategy"},
-    {"batch", "preemption", "autolog", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step", "step_watch"},
+    {"batch", "preemption", "autolog", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step", "step_watch",
+     "weights", "export", "verify"},
     {"session_facts", "session"},
-    {"launch", "envinfo", "ckpt_cli", "cli", "testing", "__init__", "__main__"},
+    {"launch", "envinfo", "ckpt_cli", "verify_cli", "cli", "testing", "__init__", "__main__"},
 ]
 
 

@@ -126,3 +126,18 @@ def test_readme_session_table_is_consistent_with_bench_json():
         assert r["max_param_diff"] == 0 and o["max_param_diff"] == 0  # the same steps as the plain loop
     rows = re.findall(r"^\| (?:tiny MLP|MLP 18\.9 M|small GPT 9\.7 M) \| (?:ddp|zero2|zero3|ddp-acc4) \|", readme, re.M)
     assert len(rows) == len(bench["results"]) == 12
+
+
+def test_readme_big_model_table_is_consistent_with_bench_json():
+    import json
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    bench = json.load(open(os.path.join(ROOT, "bench", "results", "big_model.json")))
+    assert not bench["settings"]["quick"] and bench["settings"]["world"] == 4
+    assert bench["whole_model"]["params"] > 300_000_000  # training state of several GB: 16 bytes each
+    for r in bench["rows"]:
+        row = (f"| {r['setup']:.0f} | {r['setup_ratio']:.3f} | {r['train']:.0f} | {r['formula']:.0f} | "
+               f"{r['train_ratio']:.3f} | {r['activations']:.1f} |")
+        assert row in readme, row
+        assert r["setup_ratio"] <= 1.1  # the setup target
+    assert f"{bench['activation_cut']:.1f} × fewer activation bytes" in readme and bench["activation_cut"] >= 2

@@ -142,10 +142,10 @@ class ParallelModule(nn.Module):
         return CheckpointLayout.whole(self.module)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {user_key(k): v for k, v in self.module.state_dict().items()}
+        return {k: v for piece in self.state_pieces() for k, v in piece.items()}
 
     def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
-        yield self.full_state_dict()
+        yield {user_key(k): v for k, v in self.module.state_dict().items()}
 
 
 def persistent_buffers(module: nn.Module) -> frozenset[str]:

@@ -272,12 +272,6 @@ class PipelineStage(ParallelModule):
 
     # -- the whole model, seen from one stage --------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict with its own keys (a stage's keys are the model's), on
-        every rank of the pipeline, on CPU (collective over the pipeline)."""
-        mine = {user_key(k): v.detach().cpu() for k, v in self.module.state_dict().items()}
-        return {k: v for part in self._from_every_stage(mine) for k, v in part.items()}
-
     def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
         """Stage by stage, each stage's state dict sent to the others of its pipeline (on CPU),
         so no rank holds more than its own stage and one other at a time."""

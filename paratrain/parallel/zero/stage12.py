@@ -26,7 +26,7 @@ backward, as DDP's are: the parameters live in their layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
@@ -38,97 +38,11 @@ from paratrain.comm import all_gather_single, broadcast_coalesced
 from paratrain.errors import ConfigError
 from paratrain.optim import clip_grad_norm_over, rebuild_optimizer
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, user_key
-from paratrain.parallel.buckets import Bucket, Reduction
+from paratrain.parallel.buckets import Bucket
 from paratrain.parallel.ddp import DistributedDataParallel
-from paratrain.parallel.zero.collectives import (OwnerCollectives, add_into, gather_from_owners,
-                                                 reduce_to_owners)
+from paratrain.parallel.zero.collectives import OwnerCollectives, gather_from_owners
+from paratrain.parallel.zero.owner_reduction import OwnerReduction, ScatterToOwners
 from paratrain.parallel.zero.optim import param_groups_of
-
-
-@dataclass
-class OwnerReduction(Reduction):
-    """Stage 1: each bucket (one optimizer param group) is all-reduced; rank r steps slice r."""
-
-    group: Any
-    rank: int
-    world: int
-    group_of: dict[nn.Parameter, int]  # each parameter's optimizer param group
-    works: list[dist.Work] = field(default_factory=list)
-    backwards: int = 0  # synchronised backwards finished: when the reduced slices last changed
-    rebuild = False  # the parameters live in the buckets' layout
-    unused_advice = ("ZeRO stages 1 and 2 cannot leave a parameter out (the optimizer steps whole "
-                     "slices of a bucket: it would apply momentum and weight decay where one process "
-                     "skips the parameter); use DDP with find_unused_parameters=True")
-
-    @property
-    def pad_to(self) -> int:  # every bucket cuts into N equal slices
-        return self.world
-
-    def key(self, p: nn.Parameter) -> int:
-        return self.group_of[p]
-
-    def start(self, bucket: Bucket) -> None:
-        self.works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
-
-    def finish(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works.clear()
-        self.backwards += 1
-
-    def shard_grad(self, bucket: Bucket) -> torch.Tensor | None:
-        """This rank's slice of the bucket's averaged gradient."""
-        return bucket.buffer.view(self.world, -1)[self.rank]
-
-    def free(self, buckets: list[Bucket]) -> None:
-        """The layout is final (stage 2 frees the full gradients until backward fills them)."""
-
-    def zero_grad(self) -> None:
-        """Forget the reduced slices (stage 1 reads them in the buckets: nothing to forget)."""
-
-
-@dataclass
-class ScatterToOwners(OwnerReduction):
-    """Stage 2: each bucket is reduced to its owners, then its full gradients are freed; one
-    reduction in flight, so full gradients never pile up during backward (at most the bucket
-    being filled, plus one)."""
-
-    reduce_scatter: bool = False  # else all-reduce and keep the slice (collectives.reduce_to_owners)
-    shard_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # bucket index → this rank's slice
-    _pending: list[tuple[Bucket, Any, torch.Tensor]] = field(default_factory=list)
-
-    def before_fill(self, bucket: Bucket) -> None:
-        buffer = bucket.buffer
-        if buffer.untyped_storage().size() == 0:  # freed by the previous backward
-            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-            buffer[bucket.offsets[-1] + bucket.params[-1].numel():].zero_()  # the padding
-
-    def start(self, bucket: Bucket) -> None:
-        self.finish()
-        work, mine = reduce_to_owners(bucket.buffer, self.group, rank=self.rank, world=self.world,
-                                      scatter=self.reduce_scatter)
-        self._pending.append((bucket, work, mine))
-
-    def finish(self) -> None:
-        for bucket, work, mine in self._pending:
-            work.wait()
-            self.shard_grads[bucket.index] = add_into(self.shard_grads.get(bucket.index), mine)
-            for p in bucket.params:
-                p.grad = None
-            bucket.buffer.untyped_storage().resize_(0)  # the full gradients live only in backward
-        self._pending.clear()
-        self.backwards += 1
-
-    def shard_grad(self, bucket: Bucket) -> torch.Tensor | None:
-        return self.shard_grads.get(bucket.index)
-
-    def free(self, buckets: list[Bucket]) -> None:
-        for bucket in buckets:
-            bucket.buffer.untyped_storage().resize_(0)
-        self.shard_grads.clear()
-
-    def zero_grad(self) -> None:
-        self.shard_grads.clear()
 
 
 class ZeroDataParallel(DistributedDataParallel):
@@ -258,9 +172,6 @@ class ZeroDataParallel(DistributedDataParallel):
         return {shard: FlatLayout(tuple((names[p], off, p.shape) for p, off in zip(b.params, b.offsets)),
                                   b.buffer.numel() // self.replicas, self.replica_index, self.replicas)
                 for b, shard in zip(self._buckets.buckets, self.shards)}
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for piece in self.state_pieces() for k, v in piece.items()}
 
     def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
         """The parameters' true values: master shards are gathered (in their own dtype), a

@@ -23,7 +23,6 @@ from __future__ import annotations
 import enum
 import functools
 import warnings
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -39,7 +38,7 @@ from paratrain.optim import clip_grad_norm_over
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, uncompiled, user_key
 from paratrain.parallel.zero.collectives import OwnerCollectives
 from paratrain.parallel.zero.flat_shard import FlatShard, ParamSlot
-from paratrain.parallel.zero.units import innermost_unit, owners_by_param, release
+from paratrain.parallel.zero.units import Unit, innermost_unit, owners_by_param, release
 from paratrain.parallel.zero.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
 
 
@@ -47,14 +46,6 @@ class TrainingState(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
-
-
-@dataclass
-class Unit:
-    name: str  # "" for the root
-    module: nn.Module
-    flats: list[FlatShard]
-    backward_started: bool = False
 
 
 class FullyShardedDataParallel(ParallelModule):
@@ -263,12 +254,6 @@ class FullyShardedDataParallel(ParallelModule):
         grads, group = self.local_grads()
         return clip_grad_norm_over(grads, max_norm, group)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded state dict with the original keys (a collective: every rank calls it)."""
-        values = self._gathered_params()
-        buffers = self.module.state_dict()
-        return {user_key(k): values[k] if k in values else buffers[k] for k in self._key_order}
-
     def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
         """Unit by unit (every rank gathers the unit, then drops it), then the buffers and frozen
         parameters, which every rank holds whole."""
@@ -307,11 +292,3 @@ class FullyShardedDataParallel(ParallelModule):
                 for n in s.names[1:]}
         return CheckpointLayout(whole.params, flat, True, whole.buffers, {**shapes, **whole.shapes},
                                 {**tied, **whole.aliases}, whole.persistent)
-
-    def _gathered_params(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for unit in self.units:
-            for flat in unit.flats:
-                for slot, value in zip(flat.slots, flat.gather_values()):
-                    out.update({name: value for name in slot.names})
-        return out

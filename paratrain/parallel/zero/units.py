@@ -4,11 +4,13 @@ which unit owns it, and releasing the original parameters once their values are 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from paratrain.errors import UsageError
+from paratrain.parallel.zero.flat_shard import FlatShard
 
 
 def owners_by_param(root: nn.Module) -> dict[nn.Parameter, list[tuple[str, nn.Module, str]]]:
@@ -50,3 +52,13 @@ def _check_optimizer_step(optimizer, args, kwargs) -> None:
                 "holds parameters that no longer exist; use the optimizer that "
                 "paratrain.shard(model, optimizer, stage=3) returns (Session.setup does this), or "
                 "create it from the sharded model's parameters()")
+
+
+@dataclass
+class Unit:
+    """One unit: the module it is, and its flat shards (one per optimizer param group)."""
+
+    name: str  # "" for the root
+    module: nn.Module
+    flats: list[FlatShard]
+    backward_started: bool = False
