@@ -137,7 +137,8 @@ def add_verify_parser(commands) -> None:
     verify.add_argument("-n", "--nproc-per-node", type=int, default=2, metavar="N",
                         help="processes of the checked run (default: 2)")
     verify.add_argument("--steps", type=int, default=3, help="optimizer steps to check (default: 3)")
-    verify.add_argument("--strategy", help="the checked run's strategy (default: the script's own)")
+    verify.add_argument("--strategy", help="the checked run's strategy, or several comma-separated, each "
+                        "checked against the same reference (default: the script's own)")
     verify.add_argument("--rtol", type=float, help="relative tolerance (default by precision: 1e-4 for "
                         "fp32, 3e-2 for bf16/fp16)")
     verify.add_argument("--atol", type=float, help="absolute tolerance (default by precision)")
@@ -148,30 +149,43 @@ def add_verify_parser(commands) -> None:
 
 
 def verify(args: argparse.Namespace) -> int:
+    """One reference run, then one checked run per strategy named (comma-separated, or the
+    script's own); 0 when every one agrees with the reference, 1 otherwise."""
     if args.nproc_per_node < 1 or args.steps < 1:
         raise ConfigError("-n and --steps must be at least 1")
+    strategies = args.strategy.split(",") if args.strategy else [None]
     work = Path(tempfile.mkdtemp(prefix="paratrain-verify-"))
     try:
-        runs = {}
-        for role, n, strategy in (("reference", 1, "single"), ("candidate", args.nproc_per_node, args.strategy)):
-            env = {k: v for k, v in os.environ.items() if k != INJECT or role == "candidate"}
-            env.update({DIR: str(work / role), STEPS: str(args.steps)})
-            env.pop(STRATEGY, None)
-            if strategy:
-                env[STRATEGY] = strategy
-            cmd = [sys.executable, "-m", "paratrain", "run", "-n", str(n), args.target, *args.args]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-            if done.returncode != 0:
-                sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
-                raise ConfigError(f"the {role} run ({n} process(es)) failed with exit status {done.returncode}; "
-                                  "its output is above")
-            runs[role] = read_run(work / role)
-        first = next(iter(runs["candidate"].values()))
-        rtol, atol = TOLERANCES.get(first["precision"], TOLERANCES["32"])
-        rtol, atol = args.rtol if args.rtol is not None else rtol, args.atol if args.atol is not None else atol
-        difference, worst = compare(runs["reference"], runs["candidate"], rtol, atol)
-        print(report(difference, worst, ranks=args.nproc_per_node, strategy=args.strategy or "the script's",
-                     steps=args.steps, rtol=rtol, atol=atol, params=len(first["order"])))
-        return 0 if difference is None else 1
+        reference = _run(args, work / "reference", 1, "single")
+        failed = False
+        for strategy in strategies:
+            candidate = _run(args, work / (strategy or "candidate"), args.nproc_per_node, strategy)
+            first = next(iter(candidate.values()))
+            rtol, atol = TOLERANCES.get(first["precision"], TOLERANCES["32"])
+            rtol = args.rtol if args.rtol is not None else rtol
+            atol = args.atol if args.atol is not None else atol
+            difference, worst = compare(reference, candidate, rtol, atol)
+            print(report(difference, worst, ranks=args.nproc_per_node, strategy=strategy or "the script's",
+                         steps=args.steps, rtol=rtol, atol=atol, params=len(first["order"])), flush=True)
+            failed = failed or difference is not None
+        return 1 if failed else 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, directory: Path, n: int, strategy: str | None) -> dict[int, dict]:
+    """The script under `paratrain run -n n`, recording into `directory`; its records."""
+    reference = strategy == "single" and n == 1
+    env = {k: v for k, v in os.environ.items() if k not in (STRATEGY, INJECT)}
+    env.update({DIR: str(directory), STEPS: str(args.steps)})
+    if strategy:
+        env[STRATEGY] = strategy
+    if INJECT in os.environ and not reference:  # the test-only fault goes into checked runs only
+        env[INJECT] = os.environ[INJECT]
+    cmd = [sys.executable, "-m", "paratrain", "run", "-n", str(n), args.target, *args.args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
+        what = "reference run (1 process, single)" if reference else f"run on {n} processes ({strategy or 'the script'})"
+        raise ConfigError(f"the {what} failed with exit status {done.returncode}; its output is above")
+    return read_run(directory)
