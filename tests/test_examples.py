@@ -141,3 +141,16 @@ def test_readme_big_model_table_is_consistent_with_bench_json():
         assert row in readme, row
         assert r["setup_ratio"] <= 1.1  # the issue's setup target
     assert f"{bench['activation_cut']:.1f} × fewer activation bytes" in readme and bench["activation_cut"] >= 2
+
+
+def test_readme_flight_recorder_cost_is_consistent_with_bench_json():
+    import json
+
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    bench = json.load(open(os.path.join(ROOT, "bench", "results", "flight_recorder.json")))
+    ddp = json.load(open(os.path.join(ROOT, "bench", "results", "ddp.json")))["models"]
+    assert f"{bench['per_call_us']['cpu']:.1f} µs of CPU per collective" in readme
+    for name in ("mlp", "transformer"):
+        m = bench["models"][name]
+        assert m["step_ms"] == ddp[name]["ours_ms"]  # the step bench/ddp.py measured, recorder on
+        assert f"{m['share_of_step']:.2%}" in readme and m["share_of_step"] <= 0.01  # issue 13's target
