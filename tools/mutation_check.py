@@ -177,6 +177,12 @@ MUTANTS = [
            (("        if self.masters and self._grads_from == self._reduction.backwards:",
              "        if False:"),),
            ("tests/test_zero.py",)),
+    # issue 13: verify
+    Mutant("verify-rank-0-only", "paratrain verify checks a replicated parameter on the lowest rank only",
+           "paratrain/verify_cli.py",
+           (("    held = {r: pieces for r, pieces in candidate.items() if pieces}",
+             "    held = {r: pieces for r, pieces in candidate.items() if pieces and r == min(candidate)}"),),
+           ("tests/test_verify.py::test_injected_bugs_are_named_with_their_step_parameter_and_rank",)),
 ]
 
 
