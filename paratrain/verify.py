@@ -116,9 +116,12 @@ def _holdings(model: nn.Module, grads: bool) -> dict[str, list[tuple[int, torch.
     its value, whole or the pieces its shards hold."""
     layout = layout_of(model)
     out: dict[str, list] = {}
+    # a gradient an optimizer steps in flat shards is read there: ZeRO-1 keeps the whole reduced
+    # bucket too, but clipping scales only this rank's slice of it, the slice the step reads
+    stepped_flat = {n for flat in layout.flat.values() for n, _, _ in flat.slots} if grads else set()
     for name, p in layout.params.items():
         t = p.grad if grads else p
-        if t is not None:
+        if t is not None and name not in stepped_flat:
             out.setdefault(name, []).append((0, t.detach().reshape(-1)))
     if layout.params_in_flat or grads:
         for shard, flat in layout.flat.items():
