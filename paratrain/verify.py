@@ -58,6 +58,7 @@ FULL_LIMIT = 1 << 20  # elements: recorded whole up to this size
 CHUNK, PROJECTIONS = 1 << 16, 4
 TOLERANCES = {"32": (1e-4, 1e-7), "bf16": (3e-2, 1e-5), "fp16": (3e-2, 1e-5)}  # (rtol, atol)
 
+
 class StepRecorder:
     """What a Session records under `paratrain verify` (module docstring); None outside it."""
 
