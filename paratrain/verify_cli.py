@@ -18,6 +18,7 @@ import torch
 from paratrain.errors import ConfigError
 from paratrain.verify import DIR, INJECT, PROJECTIONS, STEPS, STRATEGY, TOLERANCES
 
+
 @dataclass
 class Difference:
     step: int
