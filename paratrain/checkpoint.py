@@ -77,8 +77,7 @@ def _state_dict_names(model: nn.Module) -> dict:
     pipeline stage knows its own): each tied parameter's other names, and the buffers it saves
     (not the non-persistent ones). `paratrain ckpt export` writes these names."""
     layout = layout_of(model)
-    persistent = layout.buffers.keys() if layout.persistent is None else layout.persistent
-    everyone = all_gather((layout.aliases, sorted(persistent & layout.buffers.keys())))
+    everyone = all_gather((layout.aliases, sorted(layout.saved_buffers())))
     return {"aliases": {a: n for aliases, _ in everyone for a, n in aliases.items()},
             "buffers": sorted({b for _, buffers in everyone for b in buffers})}
 

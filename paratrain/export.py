@@ -34,8 +34,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from paratrain.checkpoint import SafeReader, describe, read_or_damaged
+from paratrain.checkpoint_files import agree, rank
 from paratrain.errors import ConfigError
-from paratrain.parallel.base import state_pieces
+from paratrain.parallel.base import names_by_first, state_pieces
 
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -106,8 +108,6 @@ def export_model(path: str | os.PathLike, model: nn.Module) -> Path | None:
     whole model. A collective; a write that fails on rank 0 raises on every rank, after the
     gathering is done (the others would wait in the next gather otherwise). Returns the path on
     rank 0, None elsewhere."""
-    from paratrain.checkpoint_files import agree, rank
-
     writer, failed = None, None
     try:
         writer = SafetensorsWriter(path) if rank() == 0 else None
@@ -137,20 +137,16 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, dtype: to
     """Write checkpoint `path`'s model as `out` (.safetensors), a tensor at a time; floating
     tensors cast to `dtype` if given. Checks the checksums first (DamagedCheckpoint). Returns
     {"tensors", "bytes", "largest"}: what was written, and the largest tensor read."""
-    from paratrain.checkpoint import SafeReader, describe, read_or_damaged
-
     meta, stored = describe(path)
     kinds = {key: (dtype_, shape) for key, dtype_, shape in stored}
-    others: dict[str, list[str]] = {}
-    for alias, first in meta.get("aliases", {}).items():
-        others.setdefault(first, []).append(alias)
+    every_name = names_by_first(meta.get("aliases", {}))
     buffers = meta.get("buffers")
     if buffers is None:
         buffers = [key.split("/", 1)[1] for key in kinds if key.startswith("buffers/")]
     reader = SafeReader(Path(path))
     largest = 0
     with SafetensorsWriter(out) as writer:
-        for name, names in [*((n, [n, *others.get(n, [])]) for n in meta["shapes"]), *((b, [b]) for b in buffers)]:
+        for name, names in [*((n, every_name.get(n, [n])) for n in meta["shapes"]), *((b, [b]) for b in buffers)]:
             key = f"model/{name}" if name in meta["shapes"] else f"buffers/{name}"
             stored_dtype, shape = kinds[key]
             flat = torch.empty(torch.Size(shape).numel() if key.startswith("model/") else shape, dtype=stored_dtype)

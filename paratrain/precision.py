@@ -30,14 +30,23 @@ S stays a power of two (factors 2 and 0.5 by default), so scaling and unscaling 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from paratrain.comm import group_device
 from paratrain.errors import ConfigError
 
 # the autocast dtype of each Session precision; "32" trains in the parameters' own dtype
 PRECISIONS: dict[str, torch.dtype | None] = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """`tree` (a model's args and kwargs) with every floating-point tensor cast to `dtype`: the
+    inputs of a model whose parameters are held in it (ZeRO's param_dtype)."""
+    return tree_map(lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x, tree)
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any, Mapping, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from paratrain.checkpoint_files import all_gather
 from paratrain.errors import ConfigError
+from paratrain.parallel.base import names_by_first
 from paratrain.state_layout import layout_of, loaded, state_entries
 
 Source = Union[str, os.PathLike, Mapping[str, torch.Tensor]]
@@ -64,25 +65,18 @@ def _model_names(model: nn.Module) -> dict[str, Any]:
     """The whole model's state-dict names, from every rank's layout: parameter shapes, a tied
     parameter's other names, and the buffers a state dict holds with their shapes."""
     layout = layout_of(model)
-    persistent = layout.persistent if layout.persistent is not None else layout.buffers.keys()
     mine = {"params": dict(layout.shapes), "aliases": dict(layout.aliases),
-            "buffers": {n: b.shape for n, b in layout.buffers.items() if n in persistent}}
-    everyone = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    return {part: {k: v for rank in everyone for k, v in rank[part].items()} for part in mine}
+            "buffers": {n: b.shape for n, b in layout.saved_buffers().items()}}
+    return {part: {k: v for rank in all_gather(mine) for k, v in rank[part].items()} for part in mine}
 
 
 def _check(names: dict[str, Any], reader: "WeightsReader", strict: bool, source: Source) -> dict[str, str]:
     """Model name → the source key to read it from; raises listing every problem."""
-    others: dict[str, list[str]] = {}
-    for alias, first in names["aliases"].items():
-        others.setdefault(first, []).append(alias)
+    every_name = names_by_first(names["aliases"])
     found, missing, misshaped = {}, [], []
     wanted = {**names["params"], **names["buffers"]}
     for name, shape in wanted.items():
-        keys = [k for k in [name, *others.get(name, [])] if k in reader.keys]
+        keys = [k for k in every_name.get(name, [name]) if k in reader.keys]
         if not keys:
             missing.append(name)
             continue

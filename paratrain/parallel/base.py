@@ -92,6 +92,19 @@ class CheckpointLayout:
                    shapes if shapes is not None else {n: p.shape for n, p in params.items()},
                    aliases, persistent_buffers(module))
 
+    def saved_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers a state dict holds: not the non-persistent ones."""
+        return {n: b for n, b in self.buffers.items() if self.persistent is None or n in self.persistent}
+
+
+def names_by_first(aliases: dict[str, str]) -> dict[str, list[str]]:
+    """A tied parameter's first name → all its names, the first first (from a layout's
+    `aliases`); a parameter with one name is not listed."""
+    out: dict[str, list[str]] = {}
+    for alias, first in aliases.items():
+        out.setdefault(first, [first]).append(alias)
+    return out
+
 
 class ParallelModule(nn.Module):
     """Base of every parallel wrapper; see [Note: the parallel protocol]."""

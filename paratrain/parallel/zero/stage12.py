@@ -32,12 +32,12 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from paratrain.comm import all_gather_single, broadcast_coalesced
 from paratrain.errors import ConfigError
 from paratrain.optim import clip_grad_norm_over, rebuild_optimizer
-from paratrain.parallel.base import CheckpointLayout, FlatLayout, user_key
+from paratrain.precision import cast_floating
+from paratrain.parallel.base import CheckpointLayout, FlatLayout, names_by_first, user_key
 from paratrain.parallel.buckets import Bucket
 from paratrain.parallel.ddp import DistributedDataParallel
 from paratrain.parallel.zero.collectives import OwnerCollectives, gather_from_owners
@@ -84,11 +84,8 @@ class ZeroDataParallel(DistributedDataParallel):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.param_dtype is not None:  # inputs in the parameters' dtype
-            inputs, kwargs = tree_map(self._cast, (inputs, kwargs))
+            inputs, kwargs = cast_floating((inputs, kwargs), self.param_dtype)
         return super().forward(*inputs, **kwargs)
-
-    def _cast(self, x: Any) -> Any:
-        return x.to(self.param_dtype) if torch.is_tensor(x) and x.is_floating_point() else x
 
     def _slice(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.view(self.replicas, -1)[self.replica_index]
@@ -180,9 +177,7 @@ class ZeroDataParallel(DistributedDataParallel):
         if not self.masters:
             yield state
             return
-        names: dict[str, list[str]] = {}  # a parameter's first name → all its names (tied weights)
-        for alias, first in CheckpointLayout.whole(self.module).aliases.items():
-            names.setdefault(first, [first]).append(alias)
+        names = names_by_first(CheckpointLayout.whole(self.module).aliases)  # tied weights: all their names
         gathered = set()
         for (shard, layout), bucket in zip(self._flat_layouts().items(), self._buckets.buckets):
             full = torch.empty(shard.numel() * self.replicas, dtype=shard.dtype, device=bucket.buffer.device)

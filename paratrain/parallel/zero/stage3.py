@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from paratrain.comm import broadcast_coalesced, group_device
 from paratrain.errors import UsageError
 from paratrain.materialize import Materializer, MetaInit, has_meta
 from paratrain.optim import clip_grad_norm_over
+from paratrain.precision import cast_floating
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, uncompiled, user_key
 from paratrain.parallel.zero.collectives import OwnerCollectives
 from paratrain.parallel.zero.flat_shard import FlatShard, ParamSlot
@@ -139,11 +140,8 @@ class FullyShardedDataParallel(ParallelModule):
         self.state = TrainingState.FORWARD
         self._sync_this_backward = self.require_backward_grad_sync
         if self.param_dtype is not None:  # inputs in the dtype the gathered parameters have
-            args, kwargs = tree_map(self._cast, (args, kwargs))
+            args, kwargs = cast_floating((args, kwargs), self.param_dtype)
         return self.module(*args, **kwargs)
-
-    def _cast(self, x: Any) -> Any:
-        return x.to(self.param_dtype) if torch.is_tensor(x) and x.is_floating_point() else x
 
     def _pre_forward(self, unit: Unit, module, args) -> None:
         if unit.name == "" and self.state is TrainingState.IDLE:
