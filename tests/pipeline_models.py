@@ -62,3 +62,26 @@ def token_batches(steps: int = STEPS, batch: int = GLOBAL_BATCH, vocab: int = 11
 
 def next_token_loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def tiny_gpt_strategy(name: str, stages: int = 2):
+    """How the meta-device, load-weights and export tests shard a TinyGPT: zero3 with a unit per
+    block, a pipeline cut at its blocks, any other strategy by name."""
+    import paratrain as pt
+
+    if name == "zero3":
+        return pt.ZeRO(stage=3, wrap_policy=pt.WrapPolicy(module_classes=(nn.TransformerEncoderLayer,)))
+    if name == "pipeline":
+        return pt.Pipeline(stages=stages, layers="blocks", microbatches=2)
+    return name
+
+
+def train_one_process(model: nn.Module, steps: int) -> dict:
+    """The reference: `steps` SGD steps (momentum 0.9) on token_batches, one process; the state dict."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs, ys = token_batches()
+    for step in range(steps):
+        next_token_loss(model(xs[step]), ys[step]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()

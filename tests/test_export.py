@@ -14,7 +14,7 @@ from torch import nn
 import paratrain as pt
 from paratrain import checkpoint
 from paratrain.testing import max_param_diff, run_on_ranks
-from pipeline_models import TinyGPT, next_token_loss, tiny_gpt, token_batches
+from pipeline_models import TinyGPT, next_token_loss, tiny_gpt_strategy, token_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,16 +31,8 @@ class Normed(TinyGPT):
         return super().pipeline_head(self.norm(x) * self.scale)
 
 
-def _strategy(name: str):
-    if name == "zero3":
-        return pt.ZeRO(stage=3, wrap_policy=pt.WrapPolicy(module_classes=(nn.TransformerEncoderLayer,)))
-    if name == "pipeline":
-        return pt.Pipeline(stages=2, layers="blocks", microbatches=2)
-    return name
-
-
 def _train_and_save(topo, name: str, path: str, export: str | None):
-    session = pt.Session(_strategy(name), topology=topo, progress_bar=False)
+    session = pt.Session(tiny_gpt_strategy(name), topology=topo, progress_bar=False)
     torch.manual_seed(0)
     model = Normed()
     model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))

@@ -10,34 +10,16 @@ from torch import nn
 import paratrain as pt
 import paratrain.weights as weights
 from paratrain.testing import max_param_diff, run_on_ranks
-from pipeline_models import TinyGPT, next_token_loss, tiny_gpt, token_batches
+from pipeline_models import TinyGPT, next_token_loss, tiny_gpt, tiny_gpt_strategy, token_batches, train_one_process
 
 STEPS = 2
-
-
-def trained(model: nn.Module) -> dict:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    xs, ys = token_batches()
-    for step in range(STEPS):
-        next_token_loss(model(xs[step]), ys[step]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.state_dict()
-
-
-def _strategy(name: str):
-    if name == "zero3":
-        return pt.ZeRO(stage=3, wrap_policy=pt.WrapPolicy(module_classes=(nn.TransformerEncoderLayer,)))
-    if name == "pipeline":
-        return pt.Pipeline(stages=2, layers="blocks", microbatches=2)
-    return name
 
 
 def _load_and_train(topo, name: str, path: str):
     read = []  # elements this rank read from the file
     getitem = weights._SafeTensor.__getitem__
     weights._SafeTensor.__getitem__ = lambda self, index: read.append(getitem(self, index)) or read[-1]
-    session = pt.Session(_strategy(name), topology=topo, progress_bar=False, seed=5)
+    session = pt.Session(tiny_gpt_strategy(name), topology=topo, progress_bar=False, seed=5)
     with torch.device("meta"):
         model = TinyGPT()
     model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -67,7 +49,7 @@ def test_a_file_loads_into_a_sharded_model_that_then_trains_as_the_plain_one(tmp
     else:
         save_model(source, str(path))  # keeps one name of the tied weight, as transformers' files do
     expected_loaded = {k: v.clone() for k, v in source.state_dict().items()}
-    expected = trained(source)
+    expected = train_one_process(source, STEPS)
     total = sum(p.numel() for p in source.parameters())
     for loaded, after, read, pieces in run_on_ranks(_load_and_train, world, name, str(path)):
         assert max_param_diff(loaded, expected_loaded) == 0
@@ -136,7 +118,7 @@ def test_unreadable_sources_say_what_to_pass(tmp_path):
 
 
 def _refused(topo, path: str):
-    session = pt.Session(_strategy("zero3"), topology=topo, progress_bar=False)
+    session = pt.Session(tiny_gpt_strategy("zero3"), topology=topo, progress_bar=False)
     model = tiny_gpt(seed=2)
     model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     before = session.full_state_dict()
@@ -158,14 +140,14 @@ def test_every_rank_refuses_a_file_only_some_ranks_read_a_bad_key_of(tmp_path):
 
 
 def _save_eager(topo, path: str):
-    session = pt.Session(_strategy("zero3"), topology=topo, progress_bar=False)
+    session = pt.Session(tiny_gpt_strategy("zero3"), topology=topo, progress_bar=False)
     model = tiny_gpt(seed=1)
     session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     session.save(path)
 
 
 def _load_into_meta(topo, path: str):
-    session = pt.Session(_strategy("zero3"), topology=topo, progress_bar=False)
+    session = pt.Session(tiny_gpt_strategy("zero3"), topology=topo, progress_bar=False)
     with torch.device("meta"):
         model = TinyGPT()
     session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),

@@ -4,13 +4,12 @@ equals the same model materialised whole and trained by one process."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import paratrain as pt
 from paratrain.materialize import Materializer, MetaInit
 from paratrain.testing import max_param_diff, run_on_ranks
-from pipeline_models import TinyGPT, next_token_loss, token_batches
+from pipeline_models import TinyGPT, next_token_loss, tiny_gpt_strategy, token_batches, train_one_process
 
 STEPS = 3
 
@@ -67,22 +66,7 @@ def test_a_meta_tensor_nothing_can_initialise_is_named():
 
 
 def reference():
-    model = pt.materialize(meta_gpt(), seed=0, init_fn=init_positions)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    xs, ys = token_batches()
-    for step in range(STEPS):
-        next_token_loss(model(xs[step]), ys[step]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.state_dict()
-
-
-def _strategy(name: str, stages: int):
-    if name == "zero3":
-        return pt.ZeRO(stage=3, wrap_policy=pt.WrapPolicy(module_classes=(nn.TransformerEncoderLayer,)))
-    if name == "pipeline":
-        return pt.Pipeline(stages=stages, layers="blocks", microbatches=2)
-    return name
+    return train_one_process(pt.materialize(meta_gpt(), seed=0, init_fn=init_positions), STEPS)
 
 
 def _train(topo, name: str, stages: int):
@@ -95,7 +79,7 @@ def _train(topo, name: str, stages: int):
             held.append(sum(p.numel() for p in self.model.parameters()
                             if not p.is_meta and not getattr(p, "_paratrain_sharded", False)))
         Materializer.materialize = counting
-    session = pt.Session(_strategy(name, stages), topology=topo, progress_bar=False)
+    session = pt.Session(tiny_gpt_strategy(name, stages), topology=topo, progress_bar=False)
     model = meta_gpt()
     model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                              init_fn=init_positions)
