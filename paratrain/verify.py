@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.errors import ConfigError
@@ -165,7 +166,6 @@ def summary(name: str, offset: int, values: torch.Tensor) -> torch.Tensor:
 def _inject(model: nn.Module, how: list[str]) -> None:
     kind, name = how[0], how[1]
     rank = int(how[3]) if len(how) > 3 else None
-    import torch.distributed as dist
     me, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if name not in layout_of(model).shapes:
         raise ConfigError(f"{INJECT} names {name!r}, which is not a parameter of the model")
