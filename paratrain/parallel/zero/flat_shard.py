@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import all_gather_single
+from paratrain.parallel.base import FlatLayout
 from paratrain.parallel.zero.collectives import add_into, gather_from_owners, reduce_to_owners
 
 
@@ -55,16 +56,10 @@ class FlatShard:
         device = values[0].device
         home = torch.device("cpu") if offload else device
         pin = offload and device.type == "cuda"  # page-locked: faster host-device copies
-        # this rank's slice only, filled from the pieces of the values it covers: no full-size
-        # copy, so a meta-built model's setup holds its shards and one unit's values at most
-        size = self.padded // world
-        lo, hi = rank * size, (rank + 1) * size
-        shard = torch.zeros(size, dtype=values[0].dtype, device=home, pin_memory=pin)
-        for slot, value in zip(slots, values):
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.shape.numel())
-            if a < b:
-                shard[a - lo:b - lo].copy_(value.detach().reshape(-1)[a - slot.offset:b - slot.offset])
-        self.shard = nn.Parameter(shard)  # (padded / N,)
+        # this rank's slice only: no full-size copy, so a meta-built model's setup holds its
+        # shards and one unit's values at most
+        shard = torch.zeros(self.padded // world, dtype=values[0].dtype, device=home, pin_memory=pin)
+        self.shard = nn.Parameter(self._fill_mine(shard, values))  # (padded / N,)
         self.full = torch.empty(self.padded, dtype=param_dtype or values[0].dtype, device=device,
                                 requires_grad=True)
         _free(self.full)
@@ -136,10 +131,17 @@ class FlatShard:
     @torch.no_grad()
     def load_values(self, values: list[torch.Tensor]) -> None:
         """Take this rank's slice of full parameter values given in `slots` order."""
-        flat = torch.zeros(self.padded, dtype=self.shard.dtype, device=self.full.device)
-        for slot, value in zip(self.slots, values):
-            flat[slot.offset:slot.offset + slot.shape.numel()].copy_(value.reshape(-1))
-        self.shard.copy_(flat.view(self.world, -1)[self.rank])  # (to its home device)
+        self.shard.copy_(self._fill_mine(torch.zeros_like(self.shard), values))
+
+    def _fill_mine(self, shard: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
+        """`shard`, given the pieces of the full `values` (in `slots` order) that this rank's
+        slice of the flat buffer covers (FlatLayout.pieces, as checkpoints cut it)."""
+        layout = FlatLayout(tuple((s.names[0], s.offset, s.shape) for s in self.slots),
+                            self.padded // self.world, self.rank, self.world)
+        by_name = {s.names[0]: v for s, v in zip(self.slots, values)}
+        for name, offset, local, length in layout.pieces(self.rank):
+            shard[local:local + length].copy_(by_name[name].detach().reshape(-1)[offset:offset + length])
+        return shard
 
 
 def _free(t: torch.Tensor) -> None:

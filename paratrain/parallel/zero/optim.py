@@ -36,8 +36,8 @@ def param_groups_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 def check_steps_on_cpu(optimizer: torch.optim.Optimizer) -> None:
     """Under offload the optimizer steps tensors in CPU memory: try one step of its class and
-    settings on a one-element CPU tensor, and refuse it with the reason if it cannot (an optimizer written for CUDA tensors only, `fused=True` where torch lacks a
-    CPU kernel)."""
+    settings on a one-element CPU tensor, and refuse it with the reason if it cannot (an
+    optimizer written for CUDA tensors only, `fused=True` where torch lacks a CPU kernel)."""
     probe = torch.zeros(1, requires_grad=True)
     probe.grad = torch.ones(1)
     trial = rebuild_optimizer(optimizer, [[probe]] + [[] for _ in optimizer.param_groups[1:]])
