@@ -8,7 +8,9 @@ So every rank leaves a note (paratrain/worker.py, [Note: last words]): how it en
 it was when the launcher stopped it. The blame goes, in this order, to
 
 1. a rank that failed on its own: an exception that is not a collective's, or a crash;
-2. a rank that exited cleanly (exit code 0) while the others still ran: they failed waiting;
+2. a rank that exited cleanly (exit code 0) while the others still ran: they failed waiting.
+   A rank that ran its script to the end and then crashed as the process exited (gloo can abort
+   in teardown while a peer still waits on it) counts here too, not as a failure of its own;
 3. a rank the launcher stopped outside any collective while another gave up waiting in one;
 4. failing all of these, the agent's first failure, with what every rank was waiting in.
 
@@ -94,16 +96,20 @@ def summarize(ends: dict[int, RankEnd], first_rank: int) -> tuple[list[str], int
     failed = [e for e in ends.values() if e.exitcode != 0]
     stopped = [e for e in failed if e.rank != first_rank and _stopped(e)]
     waited = _by_time([e for e in failed if e.kind == "collective" and e not in stopped], first_rank)
-    own = _by_time([e for e in failed if e not in stopped and e not in waited], first_rank)
+    finished = [e for e in failed if e.kind == "exit" and e not in stopped]  # crashed in teardown
+    own = _by_time([e for e in failed if e not in stopped + waited + finished], first_rank) or (
+        [] if waited else _by_time(finished, first_rank))
+    left = []
     if own:
         named, lines = own[0], [_failed(own[0])]
     elif left := _left_early(ends, waited):
-        named, lines = waited[0], [_left_line(left, failed), _failed(waited[0])]
+        named, lines = waited[0], [_left_line(left, [e for e in failed if e not in left]), _failed(waited[0])]
     elif stragglers := [e for e in stopped if not _collective(e.stack)]:
         named, lines = waited[0], [_straggler_line(stragglers, waited[0]), _failed(waited[0])]
     else:  # the agent's first failure is in `own` or `waited`: here, waited[0]
         named, lines = waited[0], [_failed(waited[0]), _waiting_everywhere(stopped)]
-    if others := [e for e in own + waited if e is not named]:
+    pool = own + waited + [e for e in finished if e not in own]
+    if others := [e for e in pool if e is not named and e not in left]:
         lines.append("also failed: " + ", ".join(f"rank {e.rank} ({_exit(e.exitcode)})" for e in others))
     if stopped:
         lines.append("then stopped by the launcher: " + ", ".join(f"rank {e.rank}" for e in stopped))
@@ -123,19 +129,23 @@ def _failed(end: RankEnd) -> str:
 
 
 def _left_early(ends: dict[int, RankEnd], waited: list[RankEnd]) -> list[RankEnd]:
-    """Ranks that exited with 0 before any rank gave up waiting (a clean exit leaves no time
-    only after os._exit: it counts too)."""
+    """Ranks that exited with 0, or ran to the end of their script and crashed in teardown, before
+    any rank gave up waiting (a clean exit leaves no time only after os._exit: it counts too)."""
     if not waited:
         return []
     gave_up = min(e.note.get("time", float("inf")) for e in waited)
-    return [e for e in ends.values() if e.exitcode == 0 and e.note.get("time", 0) <= gave_up]
+    return [e for e in ends.values() if (e.exitcode == 0 or e.kind == "exit") and e.note.get("time", 0) <= gave_up]
 
 
 def _left_line(left: list[RankEnd], running: list[RankEnd]) -> str:
     when = min((e.note["time"] for e in left if e.kind == "exit"), default=None)
     at = f" at {time.strftime('%H:%M:%S', time.localtime(when))}" if when else ""
     verb = "was" if len(running) == 1 else "were"
-    return (f"{_ranks(left)} exited cleanly (exit code 0){at} while {_ranks(running)} {verb} still "
+    how = "exited cleanly (exit code 0)"
+    if crashed := [e for e in left if e.exitcode != 0]:
+        whom = [("" if len(left) == 1 else f"rank {e.rank} ") + f"was {_exit(e.exitcode)}" for e in crashed]
+        how = f"ran to the end of the script (then {', '.join(whom)} as the process exited)"
+    return (f"{_ranks(left)} {how}{at} while {_ranks(running)} {verb} still "
             f"training; the others then failed waiting for {'it' if len(left) == 1 else 'them'}")
 
 

@@ -165,3 +165,23 @@ def test_ranks_waiting_in_collectives_everywhere_are_not_called_stragglers():
     assert lines[0].startswith("rank 0 gave up waiting in a collective (exit code 1, pid 100)")
     assert lines[1].startswith("every rank on this node was waiting in a collective (rank 1 in all_reduce)")
     assert "--debug-collectives" in lines[1] and "never reached" not in " ".join(lines)
+
+
+def test_a_rank_that_crashed_in_teardown_after_its_script_ended_is_not_blamed():
+    """Rank 1 ran its script to the end while rank 0 still waited on it, then gloo aborted as its
+    process exited (seen in CI: SIGABRT, "terminate called without an active exception"). The
+    fault is the early exit, and the job's status is rank 0's, not 128 + SIGABRT."""
+    ends = {0: _end(0, 1, "collective", t=3.0), 1: _end(1, -signal.SIGABRT, "exit", t=1.0)}
+    lines, status = postmortem.summarize(ends, first_rank=1)
+    assert lines[0].startswith("rank 1 ran to the end of the script (then was killed by SIGABRT as the "
+                               "process exited) at "), lines
+    assert lines[0].endswith(" while rank 0 was still training; the others then failed waiting for it")
+    assert lines[1].startswith("rank 0 gave up waiting in a collective (exit code 1, pid 100)")
+    assert len(lines) == 2 and status == 1
+
+
+def test_a_teardown_crash_with_no_other_failure_is_named():
+    ends = {0: _end(0, 0, "exit", t=1.0), 1: _end(1, -signal.SIGABRT, "exit", t=1.0)}
+    lines, status = postmortem.summarize(ends, first_rank=1)
+    assert lines == ["rank 1 failed (killed by SIGABRT, pid 101); see its output above"]
+    assert status == -signal.SIGABRT  # paratrain run exits 128 + 6, as a shell would
