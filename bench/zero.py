@@ -163,7 +163,7 @@ def held_tensors(stage: int, impl: str, model: nn.Module, opt: torch.optim.Optim
     if impl == "ours":
         flats = [f for u in model.units for f in u.flats]
         return dict(params=[f.shard for f in flats] + [f.full for f in flats],
-                    grads=[f.shard.grad for f in flats] + [f.full.grad for f in flats],
+                    grads=[f.shard.grad for f in flats] + [f.grad for f in flats],
                     optimizer=_state_tensors(opt))
     if stage == 1:
         params = list(model.module.parameters())

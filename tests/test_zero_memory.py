@@ -69,3 +69,51 @@ def test_bytes_per_rank_with_bf16_compute_and_fp32_masters(world):
     for stage in (1, 2, 3):
         for held, _, _ in run_on_ranks(_bytes_after_step, world, stage, torch.bfloat16):
             assert formula[stage] <= held <= 1.05 * formula[stage], (stage, held, formula[stage])
+
+
+VOCAB, EMBED = 8192, 512  # a 16 MiB embedding, tied to the head
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, EMBED)
+        self.mid = nn.Linear(EMBED, EMBED)
+        self.head = nn.Linear(EMBED, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mid(self.emb(tokens))))
+
+
+def _backward_peak_mib(topo):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from common import peak_rss_mb, reset_peak_rss, return_freed_memory_to_os, rss_mb
+
+    return_freed_memory_to_os()  # freed blocks leave RSS at once: the peak is the live tensors'
+    torch.manual_seed(0)
+    model = _TiedLM()
+    model, _ = pt.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3,
+                        wrap_policy=pt.WrapPolicy(module_classes=(nn.Linear,)))
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    for _ in range(2):  # the second backward, when every lazily made buffer exists
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        start = rss_mb()
+        reset_peak_rss()
+        loss.backward()
+        peak = peak_rss_mb() - start
+        model.zero_grad()
+    return peak
+
+
+def test_a_tied_weight_gradient_is_accumulated_in_place_not_held_twice():
+    """The root unit holds the embedding, whose gradient comes from the head at the start of
+    backward and from the embedding at its end. Autograd adds both into the unit's one flat
+    gradient buffer ([Note: one leaf per use]): backward holds that buffer plus one use's
+    gradient at a time (2 × 16 MiB), where a split of the flat parameter held the head's share,
+    the embedding's and their cat (3 ×, the old way)."""
+    embedding_mib = VOCAB * EMBED * 4 / 2**20
+    for peak in run_on_ranks(_backward_peak_mib, 2):
+        assert peak < 2.5 * embedding_mib, f"backward peaked {peak:.1f} MiB above its start"

@@ -4,15 +4,30 @@ optimizer param group), flattened, zero-padded to a multiple of N, each rank kee
 Lifecycle (paired names, as in FSDP2's `FSDPParamGroup`):
 
     start_unshard()   allocate the full buffer, launch the all-gather of every rank's shard
-    finish_unshard()  wait for it; point the modules' parameter attributes at views of it
+    finish_unshard()  wait for it (the modules' parameter attributes are views of it)
     reshard()         free the full buffer (its storage, so tensors autograd saved stay valid
                       and are refilled by the next unshard before backward reads them)
-    start_grad_sync() after backward filled `full.grad`: launch its reduction to the owners
+    grad_arrived(i)   leaf i has its gradient; at the first, one zeroed full-size gradient
+                      buffer that backward fills in place ([Note: one leaf per use])
+    start_grad_sync() once every use's gradient is in it: launch its reduction to the owners
     finish_grad_sync() wait; add this rank's slice to `shard.grad`; drop the full gradient
 
-`full` is a leaf tensor that requires grad: forward uses views of it, so autograd sums every
-use (tied weights included) into `full.grad`, and a post-accumulate-grad hook on it says when
-this piece's backward is complete.
+[Note: one leaf per use]
+Each (parameter, owning module attribute) pair is a leaf tensor that requires grad, a view of
+`full`, set on the module once. When the unit's first gradient arrives (it is copied in), every
+leaf's `.grad` is set to its span of one zeroed flat buffer, `grad`; autograd then adds each
+further use's gradient into it in place (AccumulateGrad adds into an existing `.grad`) and frees
+it at once. A tied weight has one leaf per owner, so its uses do not wait for each other in
+autograd's input buffer: the head of a GPT adds its share of the embedding's gradient at the
+start of backward, the embedding its own at the end, both into the same span. So no full-size
+gradient is held twice and none is copied whole (one view per parameter split from one leaf
+made backward a cat of them all, and held a tied weight's first gradient until its last use).
+The buffer is made at the first gradient, not before the unit's backward (or its recompute under
+activation checkpointing) starts. Values are the uses' gradients summed in the order autograd
+runs them; a post-accumulate hook on each leaf counts them in, and the last starts the reduction.
+
+Leaves are views of `full.data`, whose version counter is not `full`'s: regathering into the
+buffer between forward and backward does not look like an in-place change of a saved tensor.
 """
 
 from __future__ import annotations
@@ -60,9 +75,13 @@ class FlatShard:
         # shards and one unit's values at most
         shard = torch.zeros(self.padded // world, dtype=values[0].dtype, device=home, pin_memory=pin)
         self.shard = nn.Parameter(self._fill_mine(shard, values))  # (padded / N,)
-        self.full = torch.empty(self.padded, dtype=param_dtype or values[0].dtype, device=device,
-                                requires_grad=True)
+        self.full = torch.empty(self.padded, dtype=param_dtype or values[0].dtype, device=device)
+        # (slot, leaf) for every name the slot has: [Note: one leaf per use]
+        self.leaves = [(slot, _span(self.full.data, slot).requires_grad_()) for slot in slots for _ in slot.owners]
         _free(self.full)
+        self.grad: torch.Tensor | None = None  # the full gradient backward is filling
+        self._arrived = 0  # leaves whose gradient this backward has added to `grad`
+        self._touched = False  # a gradient arrived since `grad` was made (accumulation: over backwards)
         self.gathered = False
         self._gather_work: list[dist.Work] | None = None
         self._reduce: tuple[dist.Work, torch.Tensor] | None = None
@@ -85,17 +104,12 @@ class FlatShard:
             self._gather_work = None
             self.gathered = True
 
-    def point_modules_at_full(self) -> None:
-        """Set every owning module's attribute to a fresh view of `full` (made in forward, so
-        autograd records it)."""
-        # One split, not a slice per parameter: split's backward is one cat of the parameters'
-        # gradients into a fresh buffer, while each slice's backward (slice_backward) zero-fills a
-        # full-size gradient for its parameter and autograd sums them all.
-        sizes = [slot.shape.numel() for slot in self.slots] + [self.padded - self.numel]
-        for slot, piece in zip(self.slots, torch.split(self.full, sizes)):
-            view = piece.view(slot.shape)
+    def install(self) -> None:
+        """Set every owning module's attribute to its leaf, for good."""
+        uses = iter(self.leaves)
+        for slot in self.slots:
             for module, attr in slot.owners:
-                setattr(module, attr, view)
+                setattr(module, attr, next(uses)[1])
 
     def reshard(self) -> None:
         self.finish_unshard()  # a prefetch that was never used: let it land before freeing
@@ -103,9 +117,47 @@ class FlatShard:
             _free(self.full)
             self.gathered = False
 
+    def prepare_grad(self) -> None:
+        """Point every leaf's `.grad` at its span of one zeroed full-size buffer (kept while
+        gradients accumulate over backwards without a reduction)."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.padded, dtype=self.full.dtype, device=self.full.device)
+            for slot, leaf in self.leaves:
+                leaf.grad = _span(self.grad, slot)
+
+    def grad_arrived(self, index: int) -> bool:
+        """Leaf `index` accumulated its gradient (its post-accumulate hook); True when it was the
+        last of this backward's."""
+        slot, leaf = self.leaves[index]
+        arrived = leaf.grad
+        self.prepare_grad()
+        span = _span(self.grad, slot)
+        if arrived.data_ptr() != span.data_ptr():  # no buffer yet when it came, or a double backward
+            span.copy_(arrived)  # (which accumulates out of place); either way it holds the sum
+            leaf.grad = span
+        self._arrived += 1
+        self._touched = True
+        return self._arrived == len(self.leaves)
+
+    @property
+    def grad_pending(self) -> bool:
+        """A gradient arrived that no reduction has taken yet."""
+        return self.grad is not None and self._touched
+
+    def end_backward(self) -> None:
+        """Count the next backward's gradients afresh; a buffer no gradient reached is dropped."""
+        self._arrived = 0
+        if self.grad is not None and not self._touched:
+            self.drop_grad()
+
+    def drop_grad(self) -> None:
+        for _, leaf in self.leaves:
+            leaf.grad = None
+        self.grad, self._arrived, self._touched = None, 0, False
+
     def start_grad_sync(self, scatter: bool) -> None:
-        grad = self.full.grad
-        self.full.grad = None
+        grad = self.grad
+        self.drop_grad()
         grad.div_(self.world)  # summing pre-divided values: the mean, without fp16 overflow
         self._reduce = reduce_to_owners(grad, self.group, rank=self.rank, world=self.world, scatter=scatter)
 
@@ -118,15 +170,16 @@ class FlatShard:
         self.shard.grad = add_into(self.shard.grad, mine, like=self.shard)
 
     def drop_pending(self) -> None:
-        """Forget a reduction that a failed backward left behind."""
+        """Forget a reduction and gradients that a failed backward left behind."""
         self._reduce = None
+        self.drop_grad()
 
     @torch.no_grad()
     def gather_values(self) -> list[torch.Tensor]:
         """Every parameter's full value (a collective), in `slots` order."""
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.full.device)
         all_gather_single(full, self.shard.detach().to(full.device, copy=True), group=self.group)
-        return [full[s.offset:s.offset + s.shape.numel()].view(s.shape).clone() for s in self.slots]
+        return [_span(full, s).clone() for s in self.slots]
 
     @torch.no_grad()
     def load_values(self, values: list[torch.Tensor]) -> None:
@@ -142,6 +195,10 @@ class FlatShard:
         for name, offset, local, length in layout.pieces(self.rank):
             shard[local:local + length].copy_(by_name[name].detach().reshape(-1)[offset:offset + length])
         return shard
+
+
+def _span(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    return flat[slot.offset:slot.offset + slot.shape.numel()].view(slot.shape)
 
 
 def _free(t: torch.Tensor) -> None:

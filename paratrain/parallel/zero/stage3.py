@@ -8,10 +8,12 @@ several units (tied weights) belongs to the innermost unit that contains all its
 unit keeps one `FlatShard` per optimizer param group (flat_shard.py). Per step, for unit k of K
 in forward order:
 
-    forward   pre-hook:  wait for k's all-gather, start k+1's (prefetch); point k's modules at
+    forward   pre-hook:  wait for k's all-gather, start k+1's (prefetch); k's modules hold
                          views of the gathered buffer.   post-hook: free k (the root stays).
     backward  hook on k's outputs: gather k again, start k-1's (prefetch).
-              post-accumulate hook on k's buffer: start reducing its gradient to the owners, free k.
+              post-accumulate hooks on k's leaves: at the first, wait for k+1's reduction and
+              point k's leaves' gradients at one zeroed flat buffer (flat_shard.py, [Note: one
+              leaf per use]); at the last, start reducing the buffer to the owners, free k.
     end of backward (a callback queued on the autograd engine): wait for the reductions; each
               shard's `.grad` now holds this rank's slice of the averaged gradient.
 
@@ -38,8 +40,8 @@ from paratrain.optim import clip_grad_norm_over
 from paratrain.precision import cast_floating
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, uncompiled, user_key
 from paratrain.parallel.zero.collectives import OwnerCollectives
-from paratrain.parallel.zero.flat_shard import FlatShard, ParamSlot
-from paratrain.parallel.zero.units import Unit, innermost_unit, owners_by_param, release
+from paratrain.parallel.zero.flat_shard import FlatShard
+from paratrain.parallel.zero.units import Unit, flatten, innermost_unit, owners_by_param
 from paratrain.parallel.zero.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
 
 
@@ -90,8 +92,9 @@ class FullyShardedDataParallel(ParallelModule):
         for unit in self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
-            for flat in unit.flats:  # fires once per backward, after every use's gradient is summed
-                flat.full.register_post_accumulate_grad_hook(functools.partial(self._post_backward, unit, flat))
+            for flat in unit.flats:  # each fires once per backward, when that use's gradient is in
+                for index, (_, leaf) in enumerate(flat.leaves):
+                    leaf.register_post_accumulate_grad_hook(functools.partial(self._post_accumulate, flat, index))
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -108,25 +111,11 @@ class FullyShardedDataParallel(ParallelModule):
             flats = []
             for group in sorted({group_of[p] for p in by_unit[name]}):
                 params = [p for p in by_unit[name] if group_of[p] == group]
-                flats.append(self._flatten(params, owners, flat_options))
+                flats.append(flatten(params, owners, group=self.process_group, rank=self.rank, world=self.world,
+                                     **flat_options))
                 self.shard_groups.append(group)
             units.append(Unit(name, module, flats))
         return units
-
-    def _flatten(self, params, owners, flat_options: dict) -> FlatShard:
-        slots, offset = [], 0
-        for p in params:
-            places = owners[p]
-            slots.append(ParamSlot(tuple(n for n, _, _ in places), tuple((m, a) for _, m, a in places),
-                                   p.shape, offset))
-            offset += p.numel()
-        flat = FlatShard(slots, [p.detach() for p in params], group=self.process_group, rank=self.rank,
-                         world=self.world, **flat_options)
-        for p in params:
-            for _, module, attr in owners[p]:
-                del module._parameters[attr]  # from now on a plain attribute, set to a view in forward
-            release(p)
-        return flat
 
     # -- forward ------------------------------------------------------------------------------------
 
@@ -149,8 +138,6 @@ class FullyShardedDataParallel(ParallelModule):
         if unit not in self._forward_order:
             self._forward_order.append(unit)
         self._unshard(unit)
-        for flat in unit.flats:
-            flat.point_modules_at_full()
         if self.prefetch:
             self._prefetch(unit, step=+1)
 
@@ -182,20 +169,31 @@ class FullyShardedDataParallel(ParallelModule):
         if self.prefetch:
             self._prefetch(unit, step=-1)
 
-    def _post_backward(self, unit: Unit, flat: FlatShard, full: torch.Tensor) -> None:
-        if self._sync_this_backward:
-            # one reduction in flight: settling the previous one frees its full gradient
-            for earlier in self._reducing:
-                earlier.finish_grad_sync()
+    def _post_accumulate(self, flat: FlatShard, index: int, leaf: torch.Tensor) -> None:
+        sync = self._sync_this_backward
+        if sync and flat.grad is None:  # its buffer is made now: never two full gradients at once
+            self._settle_reduction()
+        if not flat.grad_arrived(index):
+            return
+        if sync:  # that was the last of the flat's uses: its gradient is complete
+            self._settle_reduction()  # one reduction in flight
             self._reducing = [flat]
             flat.start_grad_sync(self.collectives.reduce_scatter)
         flat.reshard()
 
+    def _settle_reduction(self) -> None:
+        for earlier in self._reducing:  # waiting frees its full gradient
+            earlier.finish_grad_sync()
+        self._reducing = []
+
     def _finish_backward(self) -> None:
         for unit in self.units:
             for flat in unit.flats:
+                if self._sync_this_backward and flat.grad_pending:  # a parameter had no gradient this time
+                    flat.start_grad_sync(self.collectives.reduce_scatter)
                 flat.finish_grad_sync()
                 flat.reshard()
+                flat.end_backward()
             unit.backward_started = False
         self._reducing = []
         self.state = TrainingState.IDLE
@@ -240,8 +238,12 @@ class FullyShardedDataParallel(ParallelModule):
     # -- accumulation and state ---------------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients: the shards', and full ones accumulated under no_sync()."""
         for shard in self.shards:
             shard.grad = None
+        for unit in self.units:
+            for flat in unit.flats:
+                flat.drop_grad()
 
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         """This rank's slices of the averaged gradients; the others are on the other ranks."""

@@ -1,5 +1,5 @@
 """How ZeRO stage 3 takes a model apart into units: which names each trainable parameter has,
-which unit owns it, and releasing the original parameters once their values are in flat shards."""
+which unit owns it, flattening its parameters into flat shards and releasing the originals."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UsageError
-from paratrain.parallel.zero.flat_shard import FlatShard
+from paratrain.parallel.zero.flat_shard import FlatShard, ParamSlot
 
 
 def owners_by_param(root: nn.Module) -> dict[nn.Parameter, list[tuple[str, nn.Module, str]]]:
@@ -27,6 +27,23 @@ def innermost_unit(param_names: list[str], units: list[str]) -> str:
     """The deepest unit whose subtree holds every name the parameter has ("" is the root)."""
     inside = [u for u in units if all(n.startswith(u + ".") for n in param_names)]
     return max(inside, key=len, default="")
+
+
+def flatten(params: list[nn.Parameter], owners, **flat_options) -> FlatShard:
+    """One FlatShard of `params` (`owners`: owners_by_param's); the modules' attributes become its
+    leaves, and the original parameters are released."""
+    slots, offset = [], 0
+    for p in params:
+        places = owners[p]
+        slots.append(ParamSlot(tuple(n for n, _, _ in places), tuple((m, a) for _, m, a in places), p.shape, offset))
+        offset += p.numel()
+    flat = FlatShard(slots, [p.detach() for p in params], **flat_options)
+    for p in params:
+        for _, module, attr in owners[p]:
+            del module._parameters[attr]  # from now on a plain attribute: the flat's leaf
+        release(p)
+    flat.install()
+    return flat
 
 
 def release(p: nn.Parameter) -> None:
