@@ -106,12 +106,15 @@ def model_facts(source: ModelSource, batch: int, seq: int | None = None, *, prec
                  param_bytes=sum(p.numel() * p.element_size() for p in params),
                  buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
                  step=count(model, blocks=_blocks(model)))
-    if activation_checkpointing is not None:
+    blocks = facts["step"].block_activation_bytes
+    notes = [f"{stack.name}: {stack.length} identical blocks, counted from copies with 1 and 2"] if stack else []
+    if activation_checkpointing == "auto" and not blocks:
+        notes.append("no repeated blocks for activation checkpointing to choose")
+    elif activation_checkpointing is not None:
         again = _cast(source.build(), param_dtype)
         chosen = tuple(checkpoint_activations(again, activation_checkpointing))
         facts["checkpointed"] = count(again, blocks=chosen, checkpointed=chosen)
-    notes = (f"{stack.name}: {stack.length} identical blocks, counted from copies with 1 and 2",) if stack else ()
-    return ModelFacts(**facts, notes=notes)
+    return ModelFacts(**facts, notes=tuple(notes))
 
 
 def _cast(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:

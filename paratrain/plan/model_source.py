@@ -143,7 +143,10 @@ def _from_config(name: str, raw: dict) -> ModelSource:
 
     def build() -> nn.Module:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        if getattr(model, "loss_type", "") is None:  # the default it falls back to, with a warning
+            model.loss_type = "ForCausalLM"
+        return model
 
     context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     return ModelSource(name=name, build=build, default_seq=context)
