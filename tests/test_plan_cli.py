@@ -105,5 +105,7 @@ def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path, monke
     assert cluster.device == "cpu" and cluster.backend == "gloo" and cluster.matmul_efficiency == 1.0
     assert cluster.peak_flops["fp32"] > 0 and cluster.intra.bandwidth > 0 and cluster.intra.latency >= 0
     assert set(cluster.measured["collectives"]) == set(TERMS)
+    assert set(cluster.collective_links) <= set(TERMS)  # a fit lost in noise is left out, said why
+    assert all(isinstance(link, Link) for link in cluster.collective_links.values())
     assert all(len(fit["points"]) == 3 for fit in cluster.measured["collectives"].values())
     assert "measured by paratrain plan --calibrate" in cluster.sources["all"]

@@ -11,6 +11,7 @@ Hand values use a link of α = 10 µs and β = 1 GB/s and a message of S = 1 MB,
     any of them,     n = 1:  0 (nothing moves)
 """
 
+import dataclasses
 import json
 import math
 
@@ -82,6 +83,14 @@ def test_hierarchical_all_reduce_is_its_three_phases():
     assert cm.hierarchical_all_reduce(S, cm.Group(8, 2), c) == pytest.approx(want)
     # and it beats a flat ring over the slow link
     assert cm.hierarchical_all_reduce(S, cm.Group(8, 2), c) < cm.ring_all_reduce(S, cm.Group(8, 2), c)
+
+
+def test_a_calibrated_link_of_one_collective_serves_that_collective_only():
+    c = dataclasses.replace(cluster(), collective_links={"reduce_scatter": Link(BETA / 4, 2 * ALPHA)})
+    assert cm.reduce_scatter(S, cm.Group(2), c) == pytest.approx(2 * ALPHA + 0.5 * S / (BETA / 4))
+    assert cm.all_gather(S, cm.Group(2), c) == pytest.approx(ALPHA + 0.5 * S / BETA)
+    # across nodes, the slower of it and the inter-node link (0.1 GB/s, 100 µs)
+    assert cm.reduce_scatter(S, cm.Group(2, 2), c) == pytest.approx(100e-6 + 0.5 * S / (BETA / 10))
 
 
 def test_groups_that_cannot_be_spread_are_refused():

@@ -14,8 +14,9 @@ other work on the machine only ever adds time, so the fastest trial is the close
 machine's own figure. comm_model.py says a collective costs `steps·α + volume·S/β` with steps and
 volume known for each (its `TERMS`), so α and 1/β come from a linear least-squares fit, each row
 divided by its time (relative errors: the small messages, which fix α, count as much as the
-large ones, which fix β). One fit per collective is kept in `measured["collectives"]`; the fit
-over all of them together is the cluster's intra-node link. One node is all that is measured:
+large ones, which fix β). Each collective's own fit is its `collective_links` entry (with its
+points in `measured["collectives"]`); the fit over all of them together is the intra-node link
+of everything else (p2p). One node is all that is measured:
 the inter-node link is written equal to it, an assumption the file's `sources` states.
 
 On a CUDA machine the same code times CUDA matmuls and NCCL on min(2, GPUs) devices; it needs
@@ -177,6 +178,8 @@ def describe(measured: Measured, world: int, device: torch.device, name: str) ->
         name=name, gpus_per_node=torch.cuda.device_count() if cuda else (os.cpu_count() or 1),
         peak_flops=dict(measured.flops), matmul_efficiency=1.0, device_memory=memory,
         host_memory=_host_memory(), intra=link, inter=link, device=device.type,
+        collective_links={op: Link(fitted["bandwidth"], fitted["latency"]) for op, fitted in per_op.items()
+                          if fitted["bandwidth"] is not None},
         backend="nccl" if cuda else "gloo",
         sources={"all": f"measured by paratrain plan --calibrate on {when} ({world} ranks)",
                  "peak_flops": "achieved matmul rate, so matmul_efficiency is 1.0"

@@ -50,14 +50,17 @@ class Cluster:
     device: str = "cuda"  # "cuda" or "cpu": what the ranks compute on
     backend: str = "nccl"  # the process group backend the figures were taken for
     sources: dict[str, str] = field(default_factory=dict)  # figure -> where it comes from
+    # intra-node links fitted per collective ("all_reduce", "reduce_scatter", "all_gather",
+    # "broadcast") by calibration; each replaces `intra` for its collective (comm_model.py)
+    collective_links: dict[str, Link] = field(default_factory=dict)
     measured: dict = field(default_factory=dict)  # calibration's raw fits (calibrate.py), if any
 
     def __post_init__(self):
         if self.gpus_per_node < 1 or not 0 < self.matmul_efficiency <= 1:
             raise ConfigError(f"cluster {self.name!r}: gpus_per_node must be at least 1 and "
                               f"matmul_efficiency in (0, 1]; got {self.gpus_per_node}, {self.matmul_efficiency}")
-        bad = [k for k, link in (("intra", self.intra), ("inter", self.inter))
-               if link.bandwidth <= 0 or link.latency < 0]
+        links = [("intra", self.intra), ("inter", self.inter), *self.collective_links.items()]
+        bad = [k for k, link in links if link.bandwidth <= 0 or link.latency < 0]
         if bad or not self.peak_flops:
             raise ConfigError(f"cluster {self.name!r}: needs peak_flops and links with positive bandwidth "
                               f"and non-negative latency (check {', '.join(bad) or 'peak_flops'})")
@@ -113,17 +116,22 @@ def _a100_8x() -> Cluster:
 
 
 def _cpu_here() -> Cluster:
-    # Measured on the development machine (2-core AMD EPYC, KVM, 23.5 GiB) by
-    # `paratrain plan --calibrate` (calibrate.py); a fresh calibration replaces every figure.
+    # Measured on the development machine (2-core AMD EPYC under KVM, 23.5 GiB) by
+    # `paratrain plan --calibrate` on 2026-11-25, rounded, while another job kept the machine busy
+    # (load average about 2.3): approximate. A fresh calibration on a quiet machine replaces them.
     return Cluster(
         name="cpu-here", gpus_per_node=2, device="cpu", backend="gloo",
-        peak_flops={"fp32": 60e9, "bf16": 60e9}, matmul_efficiency=1.0,
+        peak_flops={"fp32": 90e9, "bf16": 200e9}, matmul_efficiency=1.0,
         device_memory=23 * GiB, host_memory=23 * GiB,
-        intra=Link(bandwidth=1.5 * GB, latency=60e-6), inter=Link(bandwidth=1.5 * GB, latency=60e-6),
+        intra=Link(bandwidth=3.5 * GB, latency=190e-6), inter=Link(bandwidth=3.5 * GB, latency=190e-6),
+        collective_links={"all_reduce": Link(2.0 * GB, 170e-6), "reduce_scatter": Link(0.6 * GB, 400e-6),
+                          "all_gather": Link(1.2 * GB, 270e-6), "broadcast": Link(4.5 * GB, 140e-6)},
         sources={
-            "all": "approximate figures for the 2-core development machine, one device per core; run "
-                   "`paratrain plan --calibrate cpu.json` and pass --cluster cpu.json for measured ones",
-            "inter": "one node only: the same loopback as intra",
+            "all": "paratrain plan --calibrate on the 2-core development machine, 2026-11-25, under load; "
+                   "run `paratrain plan --calibrate cpu.json` on a quiet machine and pass --cluster cpu.json",
+            "peak_flops": "achieved 1024x1024 matmul rate on one thread (a device is one core)",
+            "collective_links": "gloo at world 2 over loopback, least-squares alpha and beta per collective",
+            "inter": "assumption: one node only; the same loopback as intra",
         })
 
 
@@ -165,7 +173,9 @@ def from_dict(raw: dict, where: str = "cluster") -> Cluster:
         raise ConfigError(f"{where}: unknown fields {unknown} and missing fields {missing}; "
                           f"a cluster file has {sorted(names)}")
     try:
-        return Cluster(**{**raw, "intra": Link(**raw["intra"]), "inter": Link(**raw["inter"])})
+        links = {op: Link(**link) for op, link in raw.get("collective_links", {}).items()}
+        return Cluster(**{**raw, "intra": Link(**raw["intra"]), "inter": Link(**raw["inter"]),
+                          "collective_links": links})
     except TypeError as e:  # a link with other fields than bandwidth and latency
         raise ConfigError(f"{where}: each link has bandwidth (bytes/s) and latency (s): {e}") from None
 

@@ -22,6 +22,8 @@ A group of n = k·m ranks over m nodes (k per node): a ring (or tree) that leave
 every step, at the pace of its slowest edge, so it is charged the slowest link it crosses: the
 intra-node link when m = 1, else the smaller bandwidth and the larger latency of the two
 (NCCL's rings give each GPU its own NIC, so the inter-node β is per GPU, as cluster.py states it).
+A calibrated cluster may hold an intra-node link per collective (gloo's implementations differ by
+several times): it is used for that collective in place of `intra`.
 
 `hierarchical_all_reduce` is DDP2's (parallel/hierarchical): reduce-scatter inside each node
 (k ranks, S), ring all-reduce across nodes (m ranks, S/k), all-gather inside each node (k, S).
@@ -97,20 +99,22 @@ TERMS = {"all_reduce": ring_all_reduce_terms, "reduce_scatter": ring_pass_terms,
          "all_gather": ring_pass_terms, "broadcast": broadcast_terms}
 
 
-def group_link(cluster: Cluster, group: Group) -> Link:
-    """The link that paces a ring or tree through `group`: the slowest one it crosses."""
+def group_link(cluster: Cluster, group: Group, collective: str | None = None) -> Link:
+    """The link that paces a ring or tree through `group`: the slowest one it crosses. Inside a
+    node, the link calibration fitted for `collective` (cluster.collective_links) where there is one."""
+    intra = cluster.collective_links.get(collective, cluster.intra) if collective else cluster.intra
     if group.nodes == 1:
-        return cluster.intra
-    return Link(bandwidth=min(cluster.intra.bandwidth, cluster.inter.bandwidth),
-                latency=max(cluster.intra.latency, cluster.inter.latency))
+        return intra
+    return Link(bandwidth=min(intra.bandwidth, cluster.inter.bandwidth),
+                latency=max(intra.latency, cluster.inter.latency))
 
 
 def ring_all_reduce(nbytes: float, group: Group, cluster: Cluster) -> float:
-    return ring_all_reduce_terms(group.ranks).time(nbytes, group_link(cluster, group))
+    return ring_all_reduce_terms(group.ranks).time(nbytes, group_link(cluster, group, "all_reduce"))
 
 
 def tree_all_reduce(nbytes: float, group: Group, cluster: Cluster) -> float:
-    return tree_all_reduce_terms(group.ranks).time(nbytes, group_link(cluster, group))
+    return tree_all_reduce_terms(group.ranks).time(nbytes, group_link(cluster, group, "all_reduce"))
 
 
 def all_reduce(nbytes: float, group: Group, cluster: Cluster) -> float:
@@ -120,16 +124,16 @@ def all_reduce(nbytes: float, group: Group, cluster: Cluster) -> float:
 
 def reduce_scatter(nbytes: float, group: Group, cluster: Cluster) -> float:
     """`nbytes`: the whole input; each rank keeps nbytes/n."""
-    return ring_pass_terms(group.ranks).time(nbytes, group_link(cluster, group))
+    return ring_pass_terms(group.ranks).time(nbytes, group_link(cluster, group, "reduce_scatter"))
 
 
 def all_gather(nbytes: float, group: Group, cluster: Cluster) -> float:
     """`nbytes`: the whole output; each rank contributes nbytes/n."""
-    return ring_pass_terms(group.ranks).time(nbytes, group_link(cluster, group))
+    return ring_pass_terms(group.ranks).time(nbytes, group_link(cluster, group, "all_gather"))
 
 
 def broadcast(nbytes: float, group: Group, cluster: Cluster) -> float:
-    return broadcast_terms(group.ranks).time(nbytes, group_link(cluster, group))
+    return broadcast_terms(group.ranks).time(nbytes, group_link(cluster, group, "broadcast"))
 
 
 def send_recv(nbytes: float, cluster: Cluster, *, same_node: bool) -> float:
