@@ -55,6 +55,7 @@ class StepCount:
     activation_bytes: int  # saved for backward, distinct storages, parameters and buffers excluded
     block_activation_bytes: dict[str, int]  # of those, the bytes saved while each block ran
     checkpointed: tuple[str, ...] = ()  # the modules whose activations were checkpointed
+    extended: bool = False  # counted from copies of the model cut to 1 and 2 blocks (repeated_blocks.py)
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,9 @@ def model_facts(source: ModelSource, batch: int, seq: int | None = None, *, prec
                  param_bytes=sum(p.numel() * p.element_size() for p in params),
                  buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
                  step=count(model, blocks=_blocks(model)))
-    blocks = facts["step"].block_activation_bytes
-    notes = [f"{stack.name}: {stack.length} identical blocks, counted from copies with 1 and 2"] if stack else []
-    if activation_checkpointing == "auto" and not blocks:
+    notes = [f"{stack.name}: {stack.length} identical blocks, counted from copies with 1 and 2"] \
+        if facts["step"].extended else []
+    if activation_checkpointing == "auto" and not facts["step"].block_activation_bytes:
         notes.append("no repeated blocks for activation checkpointing to choose")
     elif activation_checkpointing is not None:
         again = _cast(source.build(), param_dtype)
@@ -140,7 +141,7 @@ def _count(source: ModelSource, model: nn.Module, *, stack: Stack | None, blocks
                      flops_backward=extend(one.flops_backward, two.flops_backward, stack),
                      activation_bytes=extend(one.activation_bytes, two.activation_bytes, stack),
                      block_activation_bytes=extend_blocks(two.block_activation_bytes, stack),
-                     checkpointed=checkpointed)
+                     checkpointed=checkpointed, extended=True)
 
 
 def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | None, precision: str = "32",
