@@ -47,10 +47,12 @@ class Settings:
     """How long and how finely to measure (the defaults take about 15 s on a 2-core CPU)."""
 
     sizes: tuple[int, ...] = (2**12, 2**15, 2**18, 2**20, 2**22)  # message bytes
+    gpu_sizes: tuple[int, ...] = (2**12, 2**16, 2**20, 2**24, 2**28)  # NVLink needs large ones to show β
     repeats: int = 5  # calls timed together, per trial
     trials: int = 5  # the fastest trial counts
     world: int = 2  # ranks taking part in the collectives
     matmul_size: int = 1024  # n of the n×n products
+    gpu_matmul_size: int = 8192  # a GPU's tensor cores reach their rate only on large ones
     matmul_seconds: float = 1.0  # time spent on each dtype's products, about
 
 
@@ -73,8 +75,8 @@ def calibrate(settings: Settings = Settings(), *, name: str = "calibrated") -> C
     extra: dict = {}
     try:
         if not cuda:
+            extra["matmul_all_threads"] = matmul_rates(settings, device)
             torch.set_num_threads(1)  # one device: one core
-            extra["matmul_all_threads"] = matmul_rates(settings, device, threads=threads)
         flops = matmul_rates(settings, device)
     finally:
         torch.set_num_threads(threads)
@@ -85,8 +87,9 @@ def calibrate(settings: Settings = Settings(), *, name: str = "calibrated") -> C
     return describe(Measured(flops, points, extra), world, device, name)
 
 
-def matmul_rates(settings: Settings, device: torch.device, *, threads: int = 1) -> dict[str, float]:
-    """Achieved FLOP/s of n×n matmuls per dtype the device can multiply."""
+def matmul_rates(settings: Settings, device: torch.device) -> dict[str, float]:
+    """Achieved FLOP/s of n×n matmuls per dtype the device can multiply (on the CPU: with the
+    threads torch has now)."""
     rates = {}
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
@@ -98,7 +101,7 @@ def matmul_rates(settings: Settings, device: torch.device, *, threads: int = 1) 
 
 
 def _matmul_rate(settings: Settings, device: torch.device, dtype: torch.dtype) -> float | None:
-    n = settings.matmul_size
+    n = settings.gpu_matmul_size if device.type == "cuda" else settings.matmul_size
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     try:
         a @ b  # warm-up (and: can this device multiply this dtype?)
@@ -124,7 +127,7 @@ def time_collectives(topology: Topology, settings: Settings) -> dict[str, list[t
     """On every rank: (bytes, seconds) of each collective at each size (module docstring)."""
     n, device = topology.world_size, topology.device
     out: dict[str, list[tuple[int, float]]] = {op: [] for op in TERMS}
-    for size in settings.sizes:
+    for size in settings.gpu_sizes if device.type == "cuda" else settings.sizes:
         numel = max(n, size // 4 // n * n)  # float32, divisible by n
         whole = torch.ones(numel, device=device)
         piece = torch.ones(numel // n, device=device)
