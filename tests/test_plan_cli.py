@@ -109,3 +109,17 @@ def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path, monke
     assert all(isinstance(link, Link) for link in cluster.collective_links.values())
     assert all(len(fit["points"]) == 3 for fit in cluster.measured["collectives"].values())
     assert "measured by paratrain plan --calibrate" in cluster.sources["all"]
+
+
+def test_a_transformers_config_file(capsys, tmp_path):
+    """A Llama of width 64, 3 layers, 4 heads (2 key/value heads), MLP 128, vocabulary 100:
+    2·V·C + L·(2·C² + 2·C·kv·C/heads + 3·C·I + 2·C) + C parameters; its context length is the
+    default sequence."""
+    config = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100, max_position_embeddings=32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, _ = run(capsys, str(tmp_path / "config.json"), "--json")
+    model = json.loads(out)["model"]
+    c, layers = 64, 3
+    assert code == 0 and model["seq"] == 32
+    assert model["params"] == 2 * 100 * c + layers * (2 * c * c + 2 * c * 2 * 16 + 3 * c * 128 + 2 * c) + c
