@@ -14,7 +14,10 @@ and storages, no memory, no arithmetic), and one forward and one backward of one
   leaves alive for the backward, the activation part of the peak at the end of the forward.
   Under activation checkpointing (activation_checkpointing.py, reused here as training uses it)
   the checkpointed modules save their inputs only (torch.utils.checkpoint saves them through the
-  same hooks), and the rest of the model saves what it always does.
+  same hooks), and the rest of the model saves what it always does. Under autocast
+  (precision "bf16"/"fp16") with fp32 parameters, the low-precision weight copies the matmuls
+  save are counted too: new storages that live until backward, about 2 bytes per parameter
+  (llama-2-70b: 128 GiB). With `param_dtype` the parameters are in that dtype: nothing is copied.
 - Parameters and their bytes: counted on the meta model, a tied weight once.
 
 Fake CPU tensors choose CPU kernels: attention goes through SDPA's flash kernel for the CPU,
