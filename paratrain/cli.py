@@ -1,6 +1,7 @@
 """The `paratrain` command: `run` starts a job through PyTorch's elastic launcher (launch.py),
 `verify` checks a job on N processes against one (verify_cli.py, verify.py), `env` shows what a rank sees
-(envinfo.py), `ckpt info|export` what a checkpoint holds and its model as one file (ckpt_cli.py).
+(envinfo.py), `ckpt info|export` what a checkpoint holds and its model as one file (ckpt_cli.py),
+`plan` what a training step of a model costs, and `plan --calibrate` this machine (plan/plan_cli.py).
 
 Bad input exits with status 2 and one line saying what to change (as argparse does).
 """
@@ -17,6 +18,7 @@ from paratrain.ckpt_cli import add_ckpt_parser, ckpt
 from paratrain.envinfo import env
 from paratrain.errors import ParatrainError
 from paratrain.launch import add_run_parser, run
+from paratrain.plan.plan_cli import add_plan_parser, plan
 from paratrain.verify_cli import add_verify_parser, verify
 
 class _Parser(argparse.ArgumentParser):
@@ -29,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="paratrain", description="Launch and inspect paratrain jobs.")
     parser.add_argument("--version", action="version", version=_version())
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,verify,env,ckpt}",
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,verify,env,ckpt,plan}",
                                      parser_class=_Parser)
     add_run_parser(commands)
     add_verify_parser(commands)
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Print this process's place in the job (rank, local rank, "
                         "world, node, backend, device, groups), one line prefixed by the rank.")
     add_ckpt_parser(commands)
+    add_plan_parser(commands)
     return parser
 
 
@@ -50,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(verify(args))
         if args.command == "ckpt":
             return ckpt(args)
+        if args.command == "plan":
+            return plan(args)
         env()
     except ParatrainError as e:  # a bad argument, or what it names (a damaged checkpoint): one line
         parser.exit(2, f"paratrain {args.command}: error: {e}\n")

@@ -24,7 +24,10 @@ LAYERS = [
     {"batch", "preemption", "autolog", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step", "step_watch",
      "weights", "export", "verify"},
     {"session_facts", "session"},
-    {"launch", "envinfo", "ckpt_cli", "verify_cli", "cli", "testing", "__init__", "__main__"},
+    # the planner (issue 12): above the strategies, whose layout code it reads
+    {"plan", "plan.cluster", "plan.comm_model", "plan.model_source", "plan.repeated_blocks", "plan.model_probe"},
+    {"plan.calibrate", "plan.plan_cli",  # calibrate starts ranks with testing.run_on_ranks
+     "launch", "envinfo", "ckpt_cli", "verify_cli", "cli", "testing", "__init__", "__main__"},
 ]
 
 

@@ -200,7 +200,7 @@ def test_unreachable_master_is_reported_not_a_traceback(job, monkeypatch):
     (["run", "--master-port", "70000", "x.py"], "--master-port must be in 1 … 65535"),
     (["run", "--backend", "mpi", "x.py"], "invalid choice: 'mpi'"),
     (["run", "-n", "two", "x.py"], "invalid int value: 'two'"),
-    ([], "required: {run,verify,env,ckpt}"),
+    ([], "required: {run,verify,env,ckpt,plan}"),
 ])
 def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "x.py").write_text("")

@@ -1,0 +1,204 @@
+"""`paratrain plan --calibrate OUT.json`: measure this machine and write a cluster file.
+
+Phase 1, compute: time square matmuls (`Settings.matmul_size`) in fp32, and in bf16 where the
+device has it, back to back after a warm-up; FLOP/s = 2·n³ per product. On the CPU, with one
+thread (a device is one core: the cluster's `gpus_per_node` is the core count) and with all of
+them (`measured["matmul_all_threads"]`). The measured rate is the achieved one, so the file's
+matmul_efficiency is 1.0.
+
+Phase 2, collectives: `Settings.world` ranks (testing.run_on_ranks: gloo on the CPU, nccl and one
+GPU each on a CUDA machine) run all-reduce, all-gather, reduce-scatter and broadcast on messages
+of `Settings.sizes` bytes; each point is the fastest of `Settings.trials` trials, each the mean
+time of `Settings.repeats` back-to-back calls started together (a barrier), on the slowest rank:
+other work on the machine only ever adds time, so the fastest trial is the closest to the
+machine's own figure. comm_model.py says a collective costs `steps·α + volume·S/β` with steps and
+volume known for each (its `TERMS`), so α and 1/β come from a linear least-squares fit, each row
+divided by its time (relative errors: the small messages, which fix α, count as much as the
+large ones, which fix β). Each collective's own fit is its `collective_links` entry (with its
+points in `measured["collectives"]`); the fit over all of them together is the intra-node link
+of everything else (p2p). One node is all that is measured:
+the inter-node link is written equal to it, an assumption the file's `sources` states.
+
+On a CUDA machine the same code times CUDA matmuls and NCCL on min(2, GPUs) devices; it needs
+two GPUs for the collectives. (Written for it, not yet run there: the development machines have
+no GPU.)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from paratrain.comm import all_gather_single, reduce_scatter_single
+from paratrain.errors import ConfigError
+from paratrain.plan.cluster import Cluster, Link
+from paratrain.plan.comm_model import TERMS, Terms
+from paratrain.testing import run_on_ranks
+from paratrain.topology import Topology
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How long and how finely to measure (the defaults take about 15 s on a 2-core CPU)."""
+
+    sizes: tuple[int, ...] = (2**12, 2**15, 2**18, 2**20, 2**22)  # message bytes
+    gpu_sizes: tuple[int, ...] = (2**12, 2**16, 2**20, 2**24, 2**28)  # NVLink needs large ones to show β
+    repeats: int = 5  # calls timed together, per trial
+    trials: int = 5  # the fastest trial counts
+    world: int = 2  # ranks taking part in the collectives
+    matmul_size: int = 1024  # n of the n×n products
+    gpu_matmul_size: int = 8192  # a GPU's tensor cores reach their rate only on large ones
+    matmul_seconds: float = 1.0  # time spent on each dtype's products, about
+
+
+@dataclass
+class Measured:
+    flops: dict[str, float]  # dtype -> FLOP/s per device
+    points: dict[str, list[tuple[int, float]]]  # collective -> (bytes, seconds)
+    extra: dict = field(default_factory=dict)
+
+
+def calibrate(settings: Settings = Settings(), *, name: str = "calibrated") -> Cluster:
+    """Measure this machine (module docstring) and describe it as a one-node Cluster."""
+    cuda = torch.cuda.is_available()
+    world = min(settings.world, torch.cuda.device_count()) if cuda else settings.world
+    if world < 2:
+        raise ConfigError("calibrating collectives needs 2 ranks, and this machine has one GPU: "
+                          "run it where two are, or set the links of a cluster file by hand")
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    threads = torch.get_num_threads()
+    extra: dict = {}
+    try:
+        if not cuda:
+            extra["matmul_all_threads"] = matmul_rates(settings, device)
+            torch.set_num_threads(1)  # one device: one core
+        flops = matmul_rates(settings, device)
+    finally:
+        torch.set_num_threads(threads)
+    results = run_on_ranks(time_collectives, world, settings, backend="nccl" if cuda else "gloo",
+                           threads=1, timeout=300)
+    points = {op: [(size, max(r[op][i][1] for r in results)) for i, (size, _) in enumerate(results[0][op])]
+              for op in results[0]}
+    return describe(Measured(flops, points, extra), world, device, name)
+
+
+def matmul_rates(settings: Settings, device: torch.device) -> dict[str, float]:
+    """Achieved FLOP/s of n×n matmuls per dtype the device can multiply (on the CPU: with the
+    threads torch has now)."""
+    rates = {}
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            continue
+        rate = _matmul_rate(settings, device, dtype)
+        if rate is not None:
+            rates[dtype_name] = rate
+    return rates
+
+
+def _matmul_rate(settings: Settings, device: torch.device, dtype: torch.dtype) -> float | None:
+    n = settings.gpu_matmul_size if device.type == "cuda" else settings.matmul_size
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    try:
+        a @ b  # warm-up (and: can this device multiply this dtype?)
+    except RuntimeError:
+        return None
+    _sync(device)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < settings.matmul_seconds or count < 2:
+        a @ b
+        count += 1
+        if device.type == "cuda" and count % 10 == 0:
+            _sync(device)
+    _sync(device)
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_collectives(topology: Topology, settings: Settings) -> dict[str, list[tuple[int, float]]]:
+    """On every rank: (bytes, seconds) of each collective at each size (module docstring)."""
+    n, device = topology.world_size, topology.device
+    out: dict[str, list[tuple[int, float]]] = {op: [] for op in TERMS}
+    for size in settings.gpu_sizes if device.type == "cuda" else settings.sizes:
+        numel = max(n, size // 4 // n * n)  # float32, divisible by n
+        whole = torch.ones(numel, device=device)
+        piece = torch.ones(numel // n, device=device)
+        calls = {"all_reduce": lambda: dist.all_reduce(whole),
+                 "reduce_scatter": lambda: reduce_scatter_single(piece, whole),
+                 "all_gather": lambda: all_gather_single(whole, piece),
+                 "broadcast": lambda: dist.broadcast(whole, src=0)}
+        for op, call in calls.items():
+            out[op].append((numel * 4, _time(call, settings, device)))
+    return out
+
+
+def _time(call, settings: Settings, device: torch.device) -> float:
+    call()  # warm-up: connections, buffers
+    trials = []
+    for _ in range(settings.trials):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(settings.repeats):
+            call()
+        _sync(device)
+        trials.append((time.perf_counter() - start) / settings.repeats)
+    return min(trials)
+
+
+def fit(points: list[tuple[int, float, Terms]]) -> Link:
+    """α and β of `steps·α + volume·S/β` by least squares over relative errors; α ≥ 0."""
+    rows = np.array([[terms.steps, terms.volume * size] for size, _, terms in points], dtype=float)
+    times = np.array([t for _, t, _ in points], dtype=float)
+    weights = 1 / times
+    (alpha, inverse_beta), *_ = np.linalg.lstsq(rows * weights[:, None], np.ones_like(times), rcond=None)
+    if alpha < 0:  # latency too small to see: bandwidth alone
+        alpha = 0.0
+        inverse_beta = float(np.sum(rows[:, 1] * weights**2 * times) / np.sum((rows[:, 1] * weights) ** 2))
+    if inverse_beta <= 0:
+        raise ConfigError("the collective timings do not grow with the message size beyond their noise: "
+                          "calibrate again on a quieter machine (and without --quick)")
+    return Link(bandwidth=float(1 / inverse_beta), latency=float(alpha))
+
+
+def describe(measured: Measured, world: int, device: torch.device, name: str) -> Cluster:
+    """The one-node Cluster the measurements describe."""
+    rows = {op: [(size, t, TERMS[op](world)) for size, t in pts] for op, pts in measured.points.items()}
+    link = fit([row for r in rows.values() for row in r])
+    per_op = {op: _fit_or_why(r) | {"points": measured.points[op]} for op, r in rows.items()}
+    cuda = device.type == "cuda"
+    memory = torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory()
+    when = time.strftime("%Y-%m-%d")
+    return Cluster(
+        name=name, gpus_per_node=torch.cuda.device_count() if cuda else (os.cpu_count() or 1),
+        peak_flops=dict(measured.flops), matmul_efficiency=1.0, device_memory=memory,
+        host_memory=_host_memory(), intra=link, inter=link, device=device.type,
+        collective_links={op: Link(fitted["bandwidth"], fitted["latency"]) for op, fitted in per_op.items()
+                          if fitted["bandwidth"] is not None},
+        backend="nccl" if cuda else "gloo",
+        sources={"all": f"measured by paratrain plan --calibrate on {when} ({world} ranks)",
+                 "peak_flops": "achieved matmul rate, so matmul_efficiency is 1.0"
+                               + ("" if cuda else "; one thread per device (core)"),
+                 "inter": "assumption: one node was measured; the inter-node link is the intra-node one"},
+        measured={"collectives": per_op, **measured.extra})
+
+
+def _fit_or_why(rows: list) -> dict:
+    """One collective's own fit (a noisy one may have none: the joint fit still stands)."""
+    try:
+        link = fit(rows)
+    except ConfigError as e:
+        return {"latency": None, "bandwidth": None, "why": str(e)}
+    return {"latency": link.latency, "bandwidth": link.bandwidth}
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,281 @@
+"""What one training step of a model costs, found by running it once on fake tensors.
+
+The model is built on the meta device (model_source.py); its parameters and buffers are swapped
+for fake CPU tensors (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes, dtypes, devices
+and storages, no memory, no arithmetic), and one forward and one backward of one batch run:
+
+- FLOPs: `torch.utils.flop_counter.FlopCounterMode` around the forward, and around the backward
+  (which includes the forward of checkpointed modules run again). It counts matmuls,
+  convolutions and attention, 2 FLOPs per multiply-add; elementwise work is not counted.
+- Activation bytes: every tensor autograd saves for backward, seen through
+  `torch.autograd.graph.saved_tensors_hooks` during the forward, counted once per storage (a view
+  and its base are one storage; a tensor saved by two ops is one), parameters and buffers
+  excluded (they are model state: the strategies' layouts count them). This is what the forward
+  leaves alive for the backward, the activation part of the peak at the end of the forward.
+  Under activation checkpointing (activation_checkpointing.py, reused here as training uses it)
+  the checkpointed modules save their inputs only (torch.utils.checkpoint saves them through the
+  same hooks), and the rest of the model saves what it always does. Under autocast
+  (precision "bf16"/"fp16") with fp32 parameters, the low-precision weight copies the matmuls
+  save are counted too: new storages that live until backward, about 2 bytes per parameter
+  (llama-2-70b: 128 GiB). With `param_dtype` the parameters are in that dtype: nothing is copied.
+- Parameters and their bytes: counted on the meta model, a tied weight once.
+
+Fake CPU tensors choose CPU kernels: attention goes through SDPA's flash kernel for the CPU,
+which saves the log-sum-exp and not the T×T scores, as flash attention does on a GPU. (Fake CUDA
+tensors cannot run autograd on a build without CUDA.) The loss: a transformers causal LM's own
+cross-entropy from its labels; else `loss_fn(output)` when given; else the sum of the outputs,
+which saves nothing, so a real loss adds what it saves (cross-entropy: about its logits' size).
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from paratrain.activation_checkpointing import Which, checkpoint_activations, select
+from paratrain.errors import ConfigError
+from paratrain.plan.model_source import ModelSource
+from paratrain.plan.repeated_blocks import Stack, cut, extend, extend_blocks, find_stack
+from paratrain.precision import PRECISIONS
+
+
+@dataclass(frozen=True)
+class StepCount:
+    """One forward and backward of one batch, counted on fake tensors (module docstring)."""
+
+    flops_forward: int
+    flops_backward: int  # with the checkpointed modules' forward run again, if any
+    activation_bytes: int  # saved for backward, distinct storages, parameters and buffers excluded
+    block_activation_bytes: dict[str, int]  # of those, the bytes saved while each block ran
+    checkpointed: tuple[str, ...] = ()  # the modules whose activations were checkpointed
+    extended: bool = False  # counted from copies of the model cut to 1 and 2 blocks (repeated_blocks.py)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """A model's size, and the cost of one step of one batch with and without checkpointing."""
+
+    name: str
+    batch: int
+    seq: int | None  # None: the model takes no sequence (one input row per sample)
+    precision: str  # autocast as Session(precision=...): "32", "bf16" or "fp16"
+    params: int  # distinct parameters, a tied weight once
+    trainable_params: int
+    param_bytes: int  # in the dtype the parameters are held
+    buffer_bytes: int
+    step: StepCount  # no activation checkpointing
+    checkpointed: StepCount | None = None  # the chosen modules checkpointed; None: none chosen
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def samples(self) -> int:
+        return self.batch
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the batch (samples when the model takes no sequence)."""
+        return self.batch * (self.seq or 1)
+
+
+def model_facts(source: ModelSource, batch: int, seq: int | None = None, *, precision: str = "32",
+                param_dtype: torch.dtype | None = None, activation_checkpointing: Which | None = "auto",
+                loss_fn=None, exact: bool = False) -> ModelFacts:
+    """Count `source`'s model (module docstring). `param_dtype` casts the parameters first (as ZeRO's
+    param_dtype does); `activation_checkpointing` chooses the modules to checkpoint in the second
+    count (activation_checkpointing.py's `which`; None: no second count). A stack of identical
+    blocks is counted from copies cut to one and two blocks (repeated_blocks.py) unless `exact`."""
+    if batch < 1 or (seq is not None and seq < 1):
+        raise ConfigError(f"batch and seq must be at least 1; got batch {batch}, seq {seq}")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision is one of {', '.join(PRECISIONS)}; got {precision!r}")
+    seq = seq or source.default_seq
+    model = _cast(source.build(), param_dtype)
+    params = list(model.parameters())
+    stack = None if exact else find_stack(model)
+    count = functools.partial(_count, source, stack=stack, batch=batch, seq=seq, precision=precision,
+                              loss_fn=loss_fn)
+    facts = dict(name=source.name, batch=batch, seq=seq, precision=precision,
+                 params=sum(p.numel() for p in params),
+                 trainable_params=sum(p.numel() for p in params if p.requires_grad),
+                 param_bytes=sum(p.numel() * p.element_size() for p in params),
+                 buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+                 step=count(model, blocks=_blocks(model)))
+    notes = [f"{stack.name}: {stack.length} identical blocks, counted from copies with 1 and 2"] \
+        if facts["step"].extended else []
+    if activation_checkpointing == "auto" and not facts["step"].block_activation_bytes:
+        notes.append("no repeated blocks for activation checkpointing to choose")
+    elif activation_checkpointing is not None:
+        again = _cast(source.build(), param_dtype)
+        chosen = tuple(checkpoint_activations(again, activation_checkpointing))
+        facts["checkpointed"] = count(again, blocks=chosen, checkpointed=chosen)
+    return ModelFacts(**facts, notes=tuple(notes))
+
+
+def _cast(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    return model.to(dtype) if dtype is not None else model
+
+
+def _count(source: ModelSource, model: nn.Module, *, stack: Stack | None, blocks: tuple[str, ...],
+           checkpointed: tuple[str, ...] = (), **options) -> StepCount:
+    """count_step, of the whole stack from its first one and two blocks when there is a stack."""
+    if stack is None:
+        return count_step(source, model, blocks=blocks, checkpointed=checkpointed, **options)
+    runs = []
+    try:
+        for keep in (1, 2):
+            with cut(model, stack, keep):
+                runs.append(count_step(source, model, blocks=blocks, checkpointed=checkpointed, **options))
+    except Exception:  # a forward that reaches blocks by index: count it whole (raising what it raises)
+        runs = []
+    if len(runs) < 2 or runs[1].flops_forward <= runs[0].flops_forward:  # the cut did not take
+        return count_step(source, model, blocks=blocks, checkpointed=checkpointed, **options)
+    one, two = runs
+    return StepCount(flops_forward=extend(one.flops_forward, two.flops_forward, stack),
+                     flops_backward=extend(one.flops_backward, two.flops_backward, stack),
+                     activation_bytes=extend(one.activation_bytes, two.activation_bytes, stack),
+                     block_activation_bytes=extend_blocks(two.block_activation_bytes, stack),
+                     checkpointed=checkpointed, extended=True)
+
+
+def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | None, precision: str = "32",
+               loss_fn=None, blocks: tuple[str, ...] = (), checkpointed: tuple[str, ...] = ()) -> StepCount:
+    """Run one forward and backward of `model` (built by `source` on the meta device; its tensors
+    are fake while this runs, and put back after) and count them; what is saved while one of
+    `blocks` runs is also counted for that block."""
+    model.train()
+    present = dict(model.named_modules())
+    blocks = tuple(name for name in blocks if name in present)  # a cut stack holds fewer
+    saved: dict[StorageWeakRef, int] = {}
+    by_block: dict[str, int] = {name: 0 for name in blocks}
+    running: list[str] = []  # the block whose forward is running, if any
+    mode = FakeTensorMode()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in state and ref not in saved:
+            saved[ref] = t.untyped_storage().nbytes()
+            if running:
+                by_block[running[-1]] += saved[ref]
+        return t
+
+    handles = _track_blocks(present, blocks, running)
+    autocast = PRECISIONS[precision]
+    try:
+        with faked(model, mode) as state, mode, fused_attention():
+            args, kwargs = source.inputs(model, batch, seq)
+            with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as forward, \
+                    torch.autograd.graph.saved_tensors_hooks(pack, _same), \
+                    (torch.autocast("cpu", dtype=autocast) if autocast else nullcontext()):
+                loss = _loss(model(*args, **kwargs), loss_fn)
+            with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as backward:
+                loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return StepCount(flops_forward=forward.get_total_flops(), flops_backward=backward.get_total_flops(),
+                     activation_bytes=sum(saved.values()), block_activation_bytes=by_block,
+                     checkpointed=checkpointed)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextmanager
+def fused_attention():
+    """Attention as a fused kernel on a GPU runs it. `F.scaled_dot_product_attention` is called with
+    dropout_p = 0 while this lasts, so that the CPU takes its flash kernel: it has none with
+    dropout, and its math path would save the T×T scores and the dropout mask, where flash
+    attention on a GPU keeps only its dropout's RNG seed. The FLOPs are the same. (Replaced in the
+    module, as models call it, because a TorchFunctionMode does not reach the recompute of a
+    checkpointed block in backward.)"""
+    original = F.scaled_dot_product_attention
+
+    def without_dropout(query, key, value, *args, **kwargs):
+        kwargs = {**dict(zip(SDPA_OPTIONS, args)), **kwargs, "dropout_p": 0.0}
+        return original(query, key, value, **kwargs)
+
+    F.scaled_dot_product_attention = without_dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # after query, key, value
+
+# FlopCounterMode knows the GPU attention kernels; the CPU's flash kernel does the same work
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v),
+}
+
+
+@contextmanager
+def faked(model: nn.Module, mode: FakeTensorMode) -> Iterator[set[StorageWeakRef]]:
+    """`model`'s parameters and buffers swapped, in place, for fake CPU tensors of the same shape
+    and dtype (tied ones stay tied) while this lasts; yields the storages of the fakes."""
+    made: dict[int, torch.Tensor] = {}
+    swapped = []  # (table, name, the tensor put back after)
+    with mode:
+        for module in model.modules():
+            for table, wrap in ((module._parameters, True), (module._buffers, False)):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    if id(t) not in made:
+                        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                        made[id(t)] = nn.Parameter(fake, t.requires_grad) if wrap else fake
+                    swapped.append((table, name, t))
+                    table[name] = made[id(t)]
+    try:
+        yield {StorageWeakRef(t.untyped_storage()) for t in made.values()}
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
+
+
+def _blocks(model: nn.Module) -> tuple[str, ...]:
+    """The repeated blocks ("auto" checkpointing's choice), or none when the model has none."""
+    try:
+        return tuple(name for name, _ in select(model, "auto"))
+    except ConfigError:
+        return ()
+
+
+def _track_blocks(modules: dict[str, nn.Module], blocks: tuple[str, ...], running: list[str]) -> list:
+    """Hooks that keep `running` naming the block whose forward is running. They fire around the
+    module's call, so a checkpointed block's saved inputs are its own."""
+    def leave(module, args, output) -> None:  # a forward hook's return value would replace the output
+        running.pop()
+
+    handles = []
+    for name in blocks:
+        block = modules[name]
+        handles.append(block.register_forward_pre_hook(lambda module, args, name=name: running.append(name)))
+        handles.append(block.register_forward_hook(leave, always_call=True))
+    return handles
+
+
+def _loss(output, loss_fn) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(output)
+    if getattr(output, "loss", None) is not None:  # a transformers model given labels
+        return output.loss
+    floats = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad]
+    if not floats:
+        raise ConfigError("the model's output holds no floating-point tensor that needs a gradient: "
+                          "give a loss_fn(output) -> loss")
+    return sum(t.float().sum() for t in floats)

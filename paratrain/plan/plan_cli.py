@@ -1,0 +1,166 @@
+"""`paratrain plan MODEL`: what one training step of MODEL costs (model_probe.py), and
+`paratrain plan --calibrate OUT.json`: measure this machine into a cluster file (calibrate.py).
+
+    paratrain plan gpt2-xl --batch 8 --seq 1024 --precision bf16 [--cluster h100-8x] [--json]
+    paratrain plan mypackage.models:build --batch 32
+    paratrain plan --calibrate cpu.json
+
+For now it prints the model's facts; the per-strategy memory and time tables come next (issue 12).
+Bad input (an unknown model, preset or file, a factory that raises) is one line on stderr and
+exit status 2, as everywhere in the CLI.
+
+`--json` prints one object (schema "paratrain.plan/0"; sizes in bytes, times in seconds):
+
+    schema            "paratrain.plan/0"
+    model             null when only calibrating; else:
+      name, batch, seq (null: no sequence), tokens (batch × seq, or batch), precision
+      params, trainable_params, param_bytes, buffer_bytes
+      step            one forward and backward of the batch, without checkpointing:
+        flops_forward, flops_backward     2 FLOPs per multiply-add, matmuls and attention only
+        activation_bytes                  saved for backward (distinct storages, no parameters)
+        block_activation_bytes            {block name: the part saved while it ran}
+        checkpointed                      [] here
+      checkpointed    the same with --activation-checkpointing's modules checkpointed
+                      (`checkpointed` names them; flops_backward includes the recompute), or null
+      flops_per_token {forward, backward}: the step's, divided by tokens
+      notes           [how the counts were made, e.g. a stack of blocks counted from 1 and 2]
+    cluster           null without --cluster; else the cluster file's fields (cluster.py)
+    compute_seconds   null without --cluster; else {step, step_checkpointed}: the step's FLOPs on
+                      one device at the cluster's achievable rate for the precision (no
+                      communication, no overlap: a lower bound)
+    calibrated        the file --calibrate wrote, or null
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from paratrain.errors import ConfigError
+from paratrain.plan.calibrate import Settings, calibrate
+from paratrain.plan.cluster import PRESETS as CLUSTERS
+from paratrain.plan.cluster import Cluster, load_cluster, save_cluster
+from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts
+from paratrain.plan.model_source import PRESETS as MODELS
+from paratrain.plan.model_source import resolve
+
+SCHEMA = "paratrain.plan/0"
+FLOPS_DTYPE = {"32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # the cluster's rate for each precision
+QUICK = Settings(sizes=(2**12, 2**18, 2**20), repeats=2, trials=2, matmul_size=256, matmul_seconds=0.2)
+
+
+def add_plan_parser(commands) -> None:
+    plan = commands.add_parser(
+        "plan", help="what a training step of a model costs; --calibrate: measure this machine",
+        description="Count a model's parameters, FLOPs and saved activations per step on fake tensors "
+        "(no memory, nothing downloaded), with and without activation checkpointing.")
+    plan.add_argument("model", nargs="?", metavar="MODEL",
+                      help=f"package.module:factory, a transformers config.json, or one of {', '.join(MODELS)}")
+    plan.add_argument("--batch", type=int, default=1, help="samples per step (default: 1)")
+    plan.add_argument("--seq", type=int, help="tokens per sample (default: the config's context length)")
+    plan.add_argument("--precision", choices=("32", "bf16", "fp16"), default="32",
+                      help="autocast, as Session(precision=...) (default: 32)")
+    plan.add_argument("--activation-checkpointing", choices=("auto", "none"), default="auto",
+                      help="which modules the second count checkpoints: the repeated blocks, or none")
+    plan.add_argument("--cluster", metavar="PRESET|FILE",
+                      help=f"a cluster ({', '.join(CLUSTERS)}, or a JSON file) to time the compute on")
+    plan.add_argument("--exact", action="store_true",
+                      help="run every block, not the first one and two of a stack of identical ones")
+    plan.add_argument("--json", action="store_true", help="one JSON object (schema: paratrain/plan/plan_cli.py)")
+    plan.add_argument("--calibrate", metavar="OUT.json", help="measure this machine and write a cluster file")
+    plan.add_argument("--quick", action="store_true", help="with --calibrate: fewer, smaller measurements")
+
+
+def plan(args: argparse.Namespace) -> None:
+    if not args.model and not args.calibrate:
+        raise ConfigError("name a MODEL to plan, or --calibrate OUT.json to measure this machine")
+    calibrated = None
+    if args.calibrate:
+        calibrated = calibrate(QUICK if args.quick else Settings(), name=Path(args.calibrate).stem)
+        save_cluster(calibrated, args.calibrate)
+    cluster = load_cluster(args.cluster) if args.cluster else None
+    facts = None
+    if args.model:
+        which = None if args.activation_checkpointing == "none" else "auto"
+        facts = model_facts(resolve(args.model), args.batch, args.seq, precision=args.precision,
+                            activation_checkpointing=which, exact=args.exact)
+    if args.json:
+        print(json.dumps(to_json(facts, cluster, args.calibrate), indent=2))
+        return
+    if calibrated is not None:
+        print(describe_cluster(calibrated, f"wrote {args.calibrate}, cluster"))
+    if cluster is not None:
+        print(describe_cluster(cluster, "cluster"))
+    if facts is not None:
+        print(describe_facts(facts, cluster))
+
+
+def to_json(facts: ModelFacts | None, cluster: Cluster | None, calibrated: str | None) -> dict:
+    """The --json object (module docstring)."""
+    model = None
+    if facts is not None:
+        model = dataclasses.asdict(facts)
+        model["tokens"] = facts.tokens
+        model["flops_per_token"] = {"forward": facts.step.flops_forward / facts.tokens,
+                                    "backward": facts.step.flops_backward / facts.tokens}
+    seconds = None
+    if facts is not None and cluster is not None:
+        rate = cluster.flops(FLOPS_DTYPE[facts.precision])
+        seconds = {"step": _flops(facts.step) / rate,
+                   "step_checkpointed": _flops(facts.checkpointed) / rate if facts.checkpointed else None}
+    return {"schema": SCHEMA, "model": model, "cluster": dataclasses.asdict(cluster) if cluster else None,
+            "compute_seconds": seconds, "calibrated": calibrated}
+
+
+def _flops(step: StepCount) -> int:
+    return step.flops_forward + step.flops_backward
+
+
+def describe_facts(facts: ModelFacts, cluster: Cluster | None) -> str:
+    step, ckpt = facts.step, facts.checkpointed
+    shape = f"{facts.batch} × {facts.seq} tokens" if facts.seq else f"{facts.batch} samples"
+    lines = [f"model {facts.name}: {facts.params:,} parameters ({_bytes(facts.param_bytes)}), "
+             f"{facts.trainable_params:,} trainable; buffers {_bytes(facts.buffer_bytes)}",
+             f"one step of {shape}, precision {facts.precision}:",
+             f"  FLOPs       forward {_flop(step.flops_forward)}, backward {_flop(step.flops_backward)}; "
+             f"per {'token' if facts.seq else 'sample'} {_flop(_flops(step) / facts.tokens)} "
+             f"({_flops(step) / facts.tokens / max(facts.params, 1):.2f} × parameters)",
+             f"  activations {_bytes(step.activation_bytes)} saved for backward"]
+    if ckpt is not None:
+        lines.append(f"  checkpointing {len(ckpt.checkpointed)} modules ({_span(ckpt.checkpointed)}): "
+                     f"activations {_bytes(ckpt.activation_bytes)}, backward {_flop(ckpt.flops_backward)} "
+                     f"(+{_flop(ckpt.flops_backward - step.flops_backward)} recomputed)")
+    if cluster is not None:
+        rate = cluster.flops(FLOPS_DTYPE[facts.precision])
+        lines.append(f"  compute on one {cluster.name} device at {_flop(rate)}/s: {_flops(step) / rate:.3g} s "
+                     "per step (no communication: a lower bound)")
+    lines += [f"  ({note})" for note in facts.notes]
+    return "\n".join(lines)
+
+
+def describe_cluster(cluster: Cluster, head: str) -> str:
+    rates = ", ".join(f"{dtype} {_flop(rate)}/s" for dtype, rate in cluster.peak_flops.items())
+    return (f"{head} {cluster.name}: {cluster.gpus_per_node} {cluster.device} device(s) per node, "
+            f"{_bytes(cluster.device_memory)} each; peak {rates} (× {cluster.matmul_efficiency:g} achievable)\n"
+            f"  intra-node α {cluster.intra.latency * 1e6:.3g} µs, β {cluster.intra.bandwidth / 1e9:.3g} GB/s; "
+            f"inter-node α {cluster.inter.latency * 1e6:.3g} µs, β {cluster.inter.bandwidth / 1e9:.3g} GB/s")
+
+
+def _span(names: tuple[str, ...]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+
+
+def _flop(value: float) -> str:
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if value >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.3g} FLOP"
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{int(value)} B"

@@ -1,0 +1,125 @@
+"""`paratrain plan` (plan/plan_cli.py) and its calibration (plan/calibrate.py), in this process
+except for the calibration's two ranks."""
+
+import json
+
+import pytest
+
+from paratrain import cli
+from paratrain.plan import calibrate as cal
+from paratrain.plan.cluster import Link, load_cluster, preset
+from paratrain.plan.comm_model import TERMS, ring_all_reduce_terms
+from paratrain.plan.model_probe import model_facts
+from paratrain.plan.model_source import resolve
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        cli.main(["plan", *argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_fit_recovers_alpha_and_beta_of_exact_timings():
+    alpha, beta = 50e-6, 2e9
+    points = [(size, TERMS[op](n).time(size, Link(beta, alpha)), TERMS[op](n))
+              for op in TERMS for n in (2, 4) for size in (1e3, 1e5, 1e7)]
+    link = cal.fit(points)
+    assert link.latency == pytest.approx(alpha, rel=1e-9) and link.bandwidth == pytest.approx(beta, rel=1e-9)
+
+
+def test_fit_clamps_a_negative_latency_to_zero():
+    """Ring all-reduce at n = 2 costs 2α + S/β. Timings of 1 ns/byte, the smallest message at half
+    that, fit a negative α; with α = 0, 1/β = Σ(S/t) / Σ(S/t)² over relative errors:
+    S/t = 2e9, 1e9, 1e9, so 1/β = 4e9 / 6e18 and β = 1.5 GB/s."""
+    terms = ring_all_reduce_terms(2)
+    points = [(1e3, 0.5e-6, terms), (1e6, 1e-3, terms), (1e8, 0.1, terms)]
+    link = cal.fit(points)
+    assert link.latency == 0.0 and link.bandwidth == pytest.approx(1.5e9)
+
+
+def test_the_model_facts_print_and_the_json_follows_the_schema(capsys):
+    code, out, _ = run(capsys, "models:MLP", "--batch", "4")
+    assert code == 0
+    assert f"model models:MLP: {12 * 33 + 33 + 33 * 33 + 33 + 33 * 5 + 5:,} parameters" in out
+    assert "no repeated blocks for activation checkpointing" in out  # an MLP: no blocks to checkpoint
+
+    code, out, _ = run(capsys, "models:MLP", "--batch", "4", "--activation-checkpointing", "none",
+                       "--cluster", "a100-8x", "--json")
+    got = json.loads(out)
+    facts = model_facts(resolve("models:MLP"), 4, activation_checkpointing=None)
+    assert got["schema"] == "paratrain.plan/0" and got["calibrated"] is None
+    assert set(got) == {"schema", "model", "cluster", "compute_seconds", "calibrated"}
+    model = got["model"]
+    assert model["params"] == facts.params == 1721 and model["tokens"] == 4 and model["seq"] is None
+    assert model["step"]["flops_forward"] == facts.step.flops_forward
+    assert model["step"]["activation_bytes"] == facts.step.activation_bytes
+    assert model["checkpointed"] is None
+    assert model["flops_per_token"]["forward"] == facts.step.flops_forward / 4
+    assert got["cluster"]["name"] == "a100-8x"
+    rate = preset("a100-8x").flops("fp32")
+    assert got["compute_seconds"]["step"] == pytest.approx(
+        (facts.step.flops_forward + facts.step.flops_backward) / rate)
+
+
+def test_a_transformers_preset_with_checkpointing(capsys):
+    code, out, _ = run(capsys, "gpt2", "--seq", "64", "--json")
+    model = json.loads(out)["model"]
+    assert code == 0 and model["seq"] == 64 and model["tokens"] == 64
+    assert model["checkpointed"]["checkpointed"] == [f"transformer.h.{i}" for i in range(12)]
+    assert model["checkpointed"]["activation_bytes"] < model["step"]["activation_bytes"]
+    assert "12 identical blocks" in model["notes"][0]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["models:MLP", "--cluster", "dgx-9000"], "no cluster preset or file 'dgx-9000': choose one of cpu-here, h100-8x, a100-8x"),
+    (["plan_test_missing_module:build"], "cannot import plan_test_missing_module"),
+    (["models:MLP", "--batch", "0"], "batch and seq must be at least 1"),
+    ([], "name a MODEL to plan, or --calibrate OUT.json"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(capsys, argv, says):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and not out
+    assert err.count("\n") == 1 and err.startswith("paratrain plan: error: ") and says in err
+
+
+def test_a_factory_that_raises_is_named(capsys, tmp_path, monkeypatch):
+    (tmp_path / "plan_raising_factory.py").write_text("def build():\n    raise RuntimeError('no weights here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run(capsys, "plan_raising_factory:build")
+    assert code == 2
+    assert err == ("paratrain plan: error: the model factory plan_raising_factory:build raised "
+                   "RuntimeError: no weights here\n")
+
+
+def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path, monkeypatch):
+    tiny = cal.Settings(sizes=(2**10, 2**20, 2**22), repeats=1, trials=3, matmul_size=64, matmul_seconds=0.02)
+    monkeypatch.setattr("paratrain.plan.plan_cli.QUICK", tiny)
+    path = tmp_path / "here.json"
+    code, out, err = run(capsys, "--calibrate", str(path), "--quick")
+    assert code == 0 and f"wrote {path}" in out, err
+    cluster = load_cluster(path)
+    assert cluster.device == "cpu" and cluster.backend == "gloo" and cluster.matmul_efficiency == 1.0
+    assert cluster.peak_flops["fp32"] > 0 and cluster.intra.bandwidth > 0 and cluster.intra.latency >= 0
+    assert set(cluster.measured["collectives"]) == set(TERMS)
+    assert set(cluster.collective_links) <= set(TERMS)  # a fit lost in noise is left out, said why
+    assert all(isinstance(link, Link) for link in cluster.collective_links.values())
+    assert all(len(fit["points"]) == 3 for fit in cluster.measured["collectives"].values())
+    assert "measured by paratrain plan --calibrate" in cluster.sources["all"]
+
+
+def test_a_transformers_config_file(capsys, tmp_path):
+    """A Llama of width 64, 3 layers, 4 heads (2 key/value heads), MLP 128, vocabulary 100:
+    2·V·C + L·(2·C² + 2·C·kv·C/heads + 3·C·I + 2·C) + C parameters; its context length is the
+    default sequence."""
+    config = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100, max_position_embeddings=32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, _ = run(capsys, str(tmp_path / "config.json"), "--json")
+    model = json.loads(out)["model"]
+    c, layers = 64, 3
+    assert code == 0 and model["seq"] == 32
+    assert model["params"] == 2 * 100 * c + layers * (2 * c * c + 2 * c * 2 * 16 + 3 * c * 128 + 2 * c) + c

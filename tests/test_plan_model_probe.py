@@ -1,0 +1,215 @@
+"""plan/model_probe.py and plan/model_source.py against counts derived by hand.
+
+FLOPs are 2 per multiply-add of a matmul (FlopCounterMode's convention); bytes are float32 (4)
+unless said. B: batch, T: sequence, C: width.
+"""
+
+import dataclasses
+import sys
+import time
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from paratrain.errors import ConfigError
+from paratrain.plan.model_probe import model_facts
+from paratrain.plan.model_source import ModelSource, resolve
+
+B, T, C, HEADS = 3, 16, 32, 4
+
+
+def source(factory, name="test") -> ModelSource:
+    def build():
+        with torch.device("meta"):
+            return factory()
+    return ModelSource(name=name, build=build)
+
+
+class Stack(nn.Sequential):
+    """in → h → h → out, tanh between: Linear(in, h), Tanh, Linear(h, h), Tanh, Linear(h, out)."""
+
+    def __init__(self, sizes=(8, 16, 16, 4), input_grad=False):
+        layers = []
+        for a, b in zip(sizes, sizes[1:]):
+            layers += [nn.Linear(a, b), nn.Tanh()]
+        super().__init__(*layers[:-1])
+        self.sizes, self.input_grad = sizes, input_grad
+
+    def example_inputs(self, batch, seq):
+        return (torch.zeros(batch, self.sizes[0], requires_grad=self.input_grad),)
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_linear_stack_flops_are_2_B_in_out_per_layer_and_twice_that_backward(input_grad):
+    """Forward: 2·B·in·out per layer. Backward: the weight's gradient (2·B·in·out) and the input's
+    (2·B·in·out) per layer, except the first layer's input gradient when the input needs none."""
+    sizes = (8, 16, 16, 4)
+    facts = model_facts(source(lambda: Stack(sizes, input_grad)), B, activation_checkpointing=None)
+    per_layer = [2 * B * a * b for a, b in zip(sizes, sizes[1:])]
+    assert facts.step.flops_forward == sum(per_layer)
+    assert facts.step.flops_backward == 2 * sum(per_layer) - (0 if input_grad else per_layer[0])
+    assert facts.params == sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+    assert facts.param_bytes == 4 * facts.params and facts.tokens == B
+
+
+def test_linear_stack_activation_bytes_are_its_inputs_and_tanh_outputs():
+    """Linear saves its input (and its weight: a parameter, not counted); tanh saves its output,
+    which the next Linear saves too: one storage. So: x (B·in) + two tanh outputs (B·h each)."""
+    facts = model_facts(source(Stack), B, activation_checkpointing=None)
+    assert facts.step.activation_bytes == 4 * (B * 8 + 2 * B * 16)
+
+
+def test_under_bf16_autocast_the_saved_bytes_are_halved_and_the_weight_copies_are_counted():
+    """Autocast saves bf16 copies: the input cast (B·in), the tanh outputs (bf16 already), and the
+    cast weight (in·out, a new storage, not the parameter) of each Linear but the first: a weight
+    is saved for its input's gradient, which the first Linear's input does not need. 2 bytes each."""
+    facts = model_facts(source(Stack), B, precision="bf16", activation_checkpointing=None)
+    weights = 16 * 16 + 16 * 4
+    assert facts.step.activation_bytes == 2 * (B * 8 + 2 * B * 16 + weights)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+
+    def forward(self, x):  # (B, T, C)
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """x + attention(LN(x)), then x + MLP(LN(x)), as examples/gpt.py."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(C), Attention(), nn.LayerNorm(C)
+        self.mlp = nn.Sequential(nn.Linear(C, 4 * C), nn.GELU(), nn.Linear(4 * C, C))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers=4, vocab=50):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, C), nn.Embedding(T, C)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(C), nn.Linear(C, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def block_flops() -> tuple[int, int]:
+    """One block, forward, per token: qkv 2·C·3C, proj 2·C·C, MLP 2·(C·4C + 4C·C): 24·C² in all;
+    attention QKᵀ and (scores)V: 2·T·C each (all T keys: FlopCounterMode does not halve causal
+    attention): 4·T·C. Backward: every Linear twice its forward (48·C²: LayerNorm's weight makes the
+    Linears' inputs need gradients); a fused attention's backward recomputes the scores and makes
+    four more products: 5 · 2·T·C = 10·T·C."""
+    forward = B * T * (24 * C * C + 4 * T * C)
+    backward = B * T * (48 * C * C + 10 * T * C)
+    return forward, backward
+
+
+def test_a_gpt_block_costs_the_analytic_count():
+    class One(Block):
+        def example_inputs(self, batch, seq):
+            return (torch.zeros(batch, seq, C),)
+
+    facts = model_facts(source(One), B, T, activation_checkpointing=None)
+    assert (facts.step.flops_forward, facts.step.flops_backward) == block_flops()
+
+
+def test_checkpointing_keeps_each_blocks_input_and_recomputes_its_forward():
+    """Checkpointed, a block saves its input only (B·T·C floats), and backward runs its forward
+    again, up to the last tensor backward needs (torch.utils.checkpoint's early stop): all of it
+    but the MLP's last Linear (2·4C·C per token), whose output nothing saves."""
+    facts = model_facts(source(GPT), B, T)
+    plain, ckpt = facts.step, facts.checkpointed
+    assert ckpt.checkpointed == tuple(f"blocks.{i}" for i in range(4))
+    assert ckpt.block_activation_bytes == {f"blocks.{i}": 4 * B * T * C for i in range(4)}
+    assert ckpt.activation_bytes < plain.activation_bytes
+    assert plain.activation_bytes - ckpt.activation_bytes == sum(plain.block_activation_bytes.values()) \
+        - sum(ckpt.block_activation_bytes.values())
+    assert ckpt.flops_forward == plain.flops_forward
+    assert ckpt.flops_backward == plain.flops_backward + 4 * (block_flops()[0] - B * T * 8 * C * C)
+
+
+def test_a_stack_counted_from_one_and_two_blocks_equals_the_whole_count():
+    shortcut = model_facts(source(lambda: GPT(layers=5)), B, T)
+    whole = model_facts(source(lambda: GPT(layers=5)), B, T, exact=True)
+    assert shortcut.notes and not whole.notes
+    assert shortcut.step.extended and shortcut.checkpointed.extended and not whole.step.extended
+    same = lambda a, b: dataclasses.replace(a, extended=False) == b  # noqa: E731
+    assert same(shortcut.step, whole.step) and same(shortcut.checkpointed, whole.checkpointed)
+
+
+def test_a_forward_that_picks_blocks_by_index_is_counted_whole():
+    class ByIndex(GPT):
+        def forward(self, idx):
+            x = self.tokens(idx)
+            for i in range(4):
+                x = self.blocks[i](x)
+            return self.head(self.ln(x))
+
+    facts = model_facts(source(ByIndex), B, T)
+    assert not facts.step.extended and not facts.notes
+    assert facts.step == model_facts(source(ByIndex), B, T, exact=True).step
+
+
+def test_presets_have_the_published_sizes():
+    """GPT-2: V·C + P·C (embeddings; the head is tied) + L·(12·C² + 13·C) + 2·C (final LN).
+    Llama: 2·V·C (untied) + L·(2·C² + 2·C·kv_heads·C/heads + 3·C·I + 2·C) + C (RMS norms)."""
+    def gpt2(layers, width):
+        return 50257 * width + 1024 * width + layers * (12 * width ** 2 + 13 * width) + 2 * width
+
+    def llama(vocab, width, inter, layers, heads, kv):
+        attention = 2 * width ** 2 + 2 * width * kv * (width // heads)
+        return 2 * vocab * width + layers * (attention + 3 * width * inter + 2 * width) + width
+
+    assert resolve("gpt2").build().num_parameters() == gpt2(12, 768)
+    assert resolve("gpt2-xl").build().num_parameters() == gpt2(48, 1600)
+    assert resolve("llama-2-7b").build().num_parameters() == llama(32000, 4096, 11008, 32, 32, 32)
+    assert resolve("llama-3-70b").build().num_parameters() == llama(128256, 8192, 28672, 80, 64, 8)
+
+
+def test_llama_2_70b_is_counted_in_seconds_without_memory():
+    start = time.monotonic()
+    facts = model_facts(resolve("llama-2-70b"), 1, 4096, precision="bf16")
+    assert time.monotonic() - start < 30  # about 1 s when the machine is quiet
+    # forward ≥ 2 FLOPs per parameter of the matmuls per token (the input embedding does none)
+    matmul_params = facts.params - 32000 * 8192
+    assert facts.step.flops_forward >= 2 * matmul_params * 4096
+    assert facts.checkpointed.activation_bytes < facts.step.activation_bytes / 10
+
+
+def test_bad_models_get_one_clear_error(tmp_path, monkeypatch):
+    module = types.ModuleType("plan_bad_models")
+    module.broken = lambda: 1 / 0
+    module.not_a_model = lambda: "hello"
+    module.conv = lambda: nn.Conv2d(1, 1, 3)
+    monkeypatch.setitem(sys.modules, "plan_bad_models", module)
+    with pytest.raises(ConfigError, match=r"factory plan_bad_models:broken raised ZeroDivisionError"):
+        model_facts(resolve("plan_bad_models:broken"), 2)
+    with pytest.raises(ConfigError, match="returned a str, not an nn.Module"):
+        model_facts(resolve("plan_bad_models:not_a_model"), 2)
+    with pytest.raises(ConfigError, match="example_inputs"):
+        model_facts(resolve("plan_bad_models:conv"), 2)
+    with pytest.raises(ConfigError, match="has no 'missing'"):
+        resolve("plan_bad_models:missing")
+    with pytest.raises(ConfigError, match="cannot import no_such_package"):
+        resolve("no_such_package.models:build")
+    with pytest.raises(ConfigError, match="llama-2-7b"):
+        resolve("llama-9")
+    (tmp_path / "c.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(ConfigError, match="no model_type"):
+        resolve(str(tmp_path / "c.json"))
