@@ -20,23 +20,19 @@
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch import nn
 
-from paratrain.checkpoint_files import (ADVICE, MARKER, CheckpointWarning, DamagedCheckpoint, NamedFS, agree,
+from paratrain.checkpoint_files import (ADVICE, MARKER, CheckpointWarning, DamagedCheckpoint, agree,
                                         all_gather, describe_failure, digest, file_problem, next_sequence,
                                         os_cause, rank, read_marker, world, write_marker)
 from paratrain.checkpoint_lock import check_not_locked, lock_root, unlock_roots
 from paratrain.checkpoint_root import latest, prune, resume
-from paratrain.errors import CheckpointError, ConfigError, UsageError
+from paratrain.errors import CheckpointError, ConfigError
 from paratrain.random_state import json_of, json_tensor
 from paratrain.state_layout import layout_of, loaded, state_entries
 
@@ -58,18 +54,27 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             **_state_dict_names(model), "param_groups": _hyperparameters(optimizer), "state": state or {}}
     entries["meta/json"] = json_tensor(meta)
     entries.update({f"rng/{rank()}/{k}": v for k, v in (rng or {}).items()})
-    writer = _Writer(partial)
+    dcp = _io().dcp
+    writer = _io().Writer(partial)
     try:
         # a tensor several ranks hold is written by the lowest of them: buffers may differ
         # between replicas (BatchNorm statistics under zero3), and rank 0's are the ones
         # full_state_dict() and export give
-        dcp.save(entries, storage_writer=writer, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        dcp.save(entries, storage_writer=writer, planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     except dcp.CheckpointException as e:  # a BaseException: turn it into an ordinary error
         raise CheckpointError(f"saving {path} failed: {describe_failure(e)}; it was left as "
                               f"{partial.name}, and every checkpoint saved before is intact") from e
     files = _hash_written(path, partial, writer.fs.written)
     agree(lambda: _commit(path, partial, meta, files))
     return path
+
+
+def _io():
+    """checkpoint_dcp (DCP's reader and writer), imported when a checkpoint is first read or
+    written: importing DCP takes a second, which every process paid at `import paratrain`."""
+    from paratrain import checkpoint_dcp
+
+    return checkpoint_dcp
 
 
 def _state_dict_names(model: nn.Module) -> dict:
@@ -128,8 +133,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         raise ConfigError(f"{path} is not a complete paratrain checkpoint (no {MARKER}): it may be a "
                           "save that was interrupted; use paratrain.checkpoint.latest(root)")
     verify(path)
-    reader = SafeReader(path)
-    metadata = read_or_damaged(reader.read_metadata, path)
+    reader = _io().SafeReader(path)
+    metadata = _io().read_or_damaged(reader.read_metadata, path)
     meta = _read_meta(path, metadata)
     optim_keys = _optimizer_keys(metadata) if optimizer is not None else None
     entries, shapes = state_entries(model, optimizer, optim_keys)
@@ -137,7 +142,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     rng = {k.split("/", 2)[2]: torch.empty(metadata.state_dict_metadata[k].size, dtype=torch.uint8)
            for k in metadata.state_dict_metadata if k.startswith(f"rng/{rank()}/")}
     entries.update({f"rng/{rank()}/{k}": v for k, v in rng.items()})
-    read_or_damaged(lambda: dcp.load(entries, storage_reader=reader), path)
+    _io().read_or_damaged(lambda: _io().dcp.load(entries, storage_reader=reader), path)
     loaded(model)
     if hyperparameters:
         _apply_hyperparameters(optimizer, meta["param_groups"])
@@ -167,7 +172,7 @@ def describe(path: str | os.PathLike) -> tuple[dict, list[tuple[str, torch.dtype
         raise ConfigError(f"{path} is not a complete paratrain checkpoint (" + (f"no {MARKER}" if path.exists()
                           else "nothing exists there") + "): pass a checkpoint directory (root/step-…), not its root")
     verify(path)
-    metadata = read_or_damaged(SafeReader(path).read_metadata, path)
+    metadata = _io().read_or_damaged(_io().SafeReader(path).read_metadata, path)
     meta = _read_meta(path, metadata)
     tensors = []
     for key, item in sorted(metadata.state_dict_metadata.items()):
@@ -180,61 +185,11 @@ def describe(path: str | os.PathLike) -> tuple[dict, list[tuple[str, torch.dtype
     return meta, tensors
 
 
-class _Writer(dcp.FileSystemWriter):
-    """DCP's writer, naming the file in its errors and recording the files this rank wrote."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.fs = NamedFS()
-
-
-class SafeReader(dcp.FileSystemReader):
-    """DCP's reader, naming the file in its errors, with its metadata file unpickled with an
-    allow-list of DCP's own classes."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.fs = NamedFS()
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    _NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-              ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
-
-    def find_class(self, module: str, name: str):
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if module in self._MODULES or (module, name) in self._NAMES or dtype:
-            return super().find_class(module, name)
-        raise UsageError(f"refusing to load {module}.{name} from checkpoint metadata: a checkpoint "
-                         "holds only tensors and DCP's metadata")
-
-
-def read_or_damaged(fn, path: Path):
-    """`fn()`, a read of checkpoint `path`: what DCP or the unpickler raise on a damaged file becomes
-    DamagedCheckpoint naming it."""
-    try:
-        return fn()
-    except (ConfigError, UsageError):
-        raise
-    except (Exception, dcp.CheckpointException) as e:  # a damaged file, seen by DCP or the unpickler
-        cause = describe_failure(e) if isinstance(e, dcp.CheckpointException) else str(e)
-        raise DamagedCheckpoint(f"checkpoint {path} cannot be read: {cause}{ADVICE}") from e
-
-
 def _read_meta(path: Path, metadata) -> dict:
     if "meta/json" not in metadata.state_dict_metadata:
         raise ConfigError(f"{path} was not written by paratrain.checkpoint.save")
     blob = torch.empty(metadata.state_dict_metadata["meta/json"].size, dtype=torch.uint8)
-    read_or_damaged(lambda: dcp.load({"meta/json": blob}, storage_reader=SafeReader(path)), path)
+    _io().read_or_damaged(lambda: _io().dcp.load({"meta/json": blob}, storage_reader=_io().SafeReader(path)), path)
     meta = json_of(blob)
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path} has checkpoint format {meta.get('format')}; this paratrain reads {FORMAT}")

@@ -18,7 +18,6 @@ every newer one and loads unverified.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -29,16 +28,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from paratrain.errors import CheckpointError, ConfigError, ParatrainError
 
 MARKER = "paratrain.json"  # written last: a directory without it is not a checkpoint
 _CHUNK = 8 << 20  # bytes per read when hashing: large reads keep sha256 near memory speed
-# What a file's own state causes, read or written; anything else (a planner's assertion) is not its fault.
-# RuntimeError: torch.load of a damaged zip record ("PytorchStreamReader failed reading zip archive").
-_READ_ERRORS = (OSError, EOFError, pickle.UnpicklingError, RuntimeError)
-_WRITE_ERRORS = (OSError,)
 _ERRNO_WORDS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                 errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
                 errno.EIO: "input/output error", errno.ENOENT: "no such file or directory"}
@@ -152,46 +146,10 @@ class FileError(Exception):
     Picklable (one message argument): DCP gathers every rank's exception onto every rank."""
 
 
-class NamedFS(FileSystem):
-    """DCP's local file system, which names the file in any error raised while a file is open, and
-    records the files this process wrote (so that it hashes its own, see [Note: the marker])."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: set[str] = set()
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
-        name, writing = Path(path).name, "w" in mode
-        try:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-        except (ParatrainError, FileError):
-            raise
-        except (_WRITE_ERRORS if writing else _READ_ERRORS) as e:  # DCP would report the bare error only
-            raise FileError(f"{os_cause(e)} writing {name}" if writing else f"{name} {_read_cause(e)}") from e
-        if writing:
-            self.written.add(name)
-
-    def rename(self, path, new_path) -> None:
-        super().rename(path, new_path)  # DCP writes `.metadata.tmp`, then renames it
-        if Path(path).name in self.written:
-            self.written.discard(Path(path).name)
-            self.written.add(Path(new_path).name)
-
-
 def os_cause(e: BaseException) -> str:
     if isinstance(e, OSError) and e.errno in _ERRNO_WORDS:
         return f"{_ERRNO_WORDS[e.errno]} ({errno.errorcode[e.errno]})"
     return f"{type(e).__name__}: {str(e)[:200]}"
-
-
-def _read_cause(e: BaseException) -> str:
-    if isinstance(e, FileNotFoundError):
-        return "is missing"
-    if isinstance(e, OSError):
-        return f"cannot be read ({os_cause(e)})"
-    return f"is truncated or corrupt ({type(e).__name__}{f': {str(e)[:200]}' if str(e) else ''})"
 
 
 def describe_failure(e: BaseException) -> str:

@@ -31,10 +31,9 @@ import struct
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from paratrain.checkpoint import SafeReader, describe, read_or_damaged
+from paratrain.checkpoint import describe
 from paratrain.checkpoint_files import agree, rank
 from paratrain.errors import ConfigError
 from paratrain.parallel.base import names_by_first, state_pieces
@@ -143,6 +142,8 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, dtype: to
     buffers = meta.get("buffers")
     if buffers is None:
         buffers = [key.split("/", 1)[1] for key in kinds if key.startswith("buffers/")]
+    from paratrain.checkpoint_dcp import SafeReader, dcp, read_or_damaged  # DCP on use: checkpoint_dcp.py
+
     reader = SafeReader(Path(path))
     largest = 0
     with SafetensorsWriter(out) as writer:

@@ -21,7 +21,7 @@ LAYERS = [
     {"parallel.base"},
     {"parallel.*"},
     {"strategy"},
-    {"batch", "preemption", "autolog", "state_layout", "checkpoint_files", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step", "step_watch",
+    {"batch", "preemption", "autolog", "state_layout", "checkpoint_files", "checkpoint_dcp", "checkpoint_lock", "checkpoint_root", "checkpoint", "resume", "progress", "step", "step_watch",
      "weights", "export", "verify"},
     {"session_facts", "session"},
     # the planner (issue 12): above the strategies, whose layout code it reads

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -184,19 +185,19 @@ def _crash_during_save(topo, root):
     _train(session, 1)
     good = session.checkpoint(root)
     _train(session, 1)
-    original = checkpoint.dcp.FileSystemWriter.finish
+    original = torch.distributed.checkpoint.FileSystemWriter.finish
 
     def crash(self, *args, **kwargs):  # every rank's data is written, the metadata never is
         raise OSError("disk full, on purpose")
 
-    checkpoint.dcp.FileSystemWriter.finish = crash
+    torch.distributed.checkpoint.FileSystemWriter.finish = crash
     try:
         session.checkpoint(root)
         raise AssertionError("the save should have failed")
     except pt.CheckpointError as e:
         assert "every checkpoint saved before is intact" in str(e)
     finally:
-        checkpoint.dcp.FileSystemWriter.finish = original
+        torch.distributed.checkpoint.FileSystemWriter.finish = original
     fresh = _session(topo, "zero3-units")
     assert fresh.resume(root)
     return good.name, checkpoint.latest(root).name, sorted(p.name for p in checkpoint.Path(root).iterdir())

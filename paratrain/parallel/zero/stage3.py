@@ -67,6 +67,7 @@ class FullyShardedDataParallel(ParallelModule):
         if uncompiled(module) is not module:  # [Note: ZeRO-3 under torch.compile]
             warnings.warn("ZeRO-3 trains a torch.compile'd model correctly but uncompiled (its gather hooks cannot "
                           "be traced; compiling after setup too): zero2 or ddp keep the compiled graph", stacklevel=3)
+        self.forward = torch.compiler.disable(self.forward)  # [Note: ZeRO-3 under torch.compile]
         self.module, self.process_group, self.prefetch = module, process_group, prefetch
         self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.replicas, self.replica_index = self.world, self.rank
@@ -122,7 +123,8 @@ class FullyShardedDataParallel(ParallelModule):
     # [Note: ZeRO-3 under torch.compile] Its hooks gather into and free storages that are resized
     # in place, which dynamo cannot trace (it failed inside inductor on "dynamic shapes"): a
     # compiled ZeRO-3 model runs its forward eagerly, so it trains correctly, only uncompiled.
-    @torch.compiler.disable
+    # (__init__ wraps it in torch.compiler.disable: as a decorator it imported torch._dynamo, two
+    # seconds, with `import paratrain`, in every process, the launcher's too.)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self._forget_unfinished_backward()
