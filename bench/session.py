@@ -1,6 +1,7 @@
 """Benchmark: what `Session.train_step` costs over the plain loop it replaces, same wrapper.
 
-    python bench/session.py [--rounds 5] [--steps 10] [--batch 128] [--out bench/results/session.json] [--quick]
+    python bench/session.py [--rounds 5] [--steps 10] [--tiny-steps 200] [--batch 128]
+                            [--out bench/results/session.json] [--quick]
     python bench/session.py --no-nan-check --out bench/results/session_no_nan_check.json
 
 World 2 on gloo, one thread per rank, ranks started by `paratrain.testing.run_on_ranks`. For
@@ -16,7 +17,8 @@ against `Session(strategy, accumulate=…)` with the same model copy and optimiz
 the finite-gradient check, the loss checks; `--no-nan-check` turns them off, to show what they
 cost: one read of the gradients this rank holds per optimizer step and, where they are sharded,
 one all-reduce of a flag). Both sides see the same batches; after `--warmup`
-untimed optimizer steps each, `--rounds` interleaved rounds of `--steps` optimizer steps each
+untimed optimizer steps each (10 × as many for the tiny model), `--rounds` interleaved rounds of
+`--steps` optimizer steps each (`--tiny-steps` for the tiny model, whose step is ~2 ms)
 (bench/common.py `time_interleaved`; a step as long as its slowest rank, medians).
 
 Reported per case: plain and session ms per optimizer step, their ratio, the time the session adds
@@ -121,9 +123,11 @@ def speed(topo, name: str, case: str, batch: int, warmup: int, rounds: int, step
 
 
 def bench_case(name: str, case: str, args) -> dict:
-    results = run_on_ranks(speed, WORLD, name, case, args.batch, args.warmup, args.rounds, args.steps,
+    # a tiny step is ~2 ms: its rounds take --tiny-steps steps, so each lasts about half a second
+    steps, warmup = (args.tiny_steps, 10 * args.warmup) if name == "tiny" else (args.steps, args.warmup)
+    results = run_on_ranks(speed, WORLD, name, case, args.batch, warmup, args.rounds, steps,
                            not args.no_nan_check, threads=THREADS, timeout=1200, collective_timeout=300)
-    times = summarize_times(results, ["plain", "session"], args.steps)
+    times = summarize_times(results, ["plain", "session"], steps)
     accumulate = CASES[case][1]
     return dict(model=name, case=case, accumulate=accumulate, ratio=times["session_ms"] / times["plain_ms"],
                 added_ms_per_microbatch=(times["session_ms"] - times["plain_ms"]) / accumulate,
@@ -134,9 +138,10 @@ def _parse_args(argv) -> argparse.Namespace:
     parser = bench_parser(__doc__, out_name="session.json", rounds=5, steps=10, warmup=3, batch=128)
     parser.add_argument("--models", nargs="+", default=["tiny", *MODELS], help="models to run")
     parser.add_argument("--cases", nargs="+", default=list(CASES), help="cases to run")
+    parser.add_argument("--tiny-steps", type=int, default=200, help="optimizer steps per round for the tiny model")
     parser.add_argument("--no-nan-check", action="store_true",
                         help="the session without its NaN checks (Session(nan_check=False)): what they cost")
-    return parse_bench_args(parser, argv, quick=dict(rounds=2, steps=2, warmup=1, batch=SEQ))
+    return parse_bench_args(parser, argv, quick=dict(rounds=2, steps=2, tiny_steps=5, warmup=1, batch=SEQ))
 
 
 def _report(rows: list[dict]) -> None:
@@ -161,6 +166,7 @@ def main(argv=None) -> None:
             print(f"benchmarking {name} {case} ...", flush=True)
             rows.append(bench_case(name, case, args))
     settings = dict(world=WORLD, backend="gloo", rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+                    tiny_steps=args.tiny_steps, tiny_warmup=10 * args.warmup,
                     batch_per_rank=args.batch, tiny_batch_per_rank=TINY_BATCH, threads_per_rank=THREADS,
                     optimizer=f"SGD(lr={LR}, momentum=0.9)", nan_check=not args.no_nan_check)
     _report(rows)

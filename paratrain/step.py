@@ -8,7 +8,9 @@ Per optimizer step, on the gradients `local_grads()` returns (parallel/base.py):
     check       otherwise a non-finite gradient anywhere stops the run on every rank, naming it,
                 before the optimizer steps: replicated strategies hold the same averaged
                 gradients everywhere, so each rank checks its own; sharded ones reduce one flag
-                over the holders. With clipping the global norm is that check.
+                over the holders, or, when every rank saw each reduction whole and the model is
+                small, each sums those (ParallelModule.reduced_finite). With clipping the global
+                norm is that check.
     clip        by the global norm (clip_grad_norm_)
     step        and zero the gradients
 """
@@ -40,13 +42,14 @@ def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, w
     gradients as the optimizer is about to read them (`paratrain verify` records them there)."""
     factor = weights.normaliser(model.replicas)
     skip, norm = False, None
+    reduced_finite = model.reduced_finite()  # every step: it starts the next step's count too
     if scaler is not None or factor != 1.0 or (check_finite and max_grad_norm is None):
         grads, group = model.local_grads()
         if scaler is not None:  # unscale before clipping: max_grad_norm is in true units
             skip = scaler.unscale_(grads, group, factor=factor)
         else:
             _scale(grads, factor)
-            if check_finite and max_grad_norm is None and not _all_finite(grads, group):
+            if check_finite and max_grad_norm is None and not _all_finite(grads, group, reduced_finite):
                 raise _non_finite(model, "gradient")
     if max_grad_norm is not None and not skip:
         norm = model.clip_grad_norm_(max_grad_norm)
@@ -67,9 +70,12 @@ def _scale(grads: list[torch.Tensor], factor: float) -> None:
         torch._foreach_mul_(grads, factor)
 
 
-def _all_finite(grads: list[torch.Tensor], group: Any) -> bool:
+def _all_finite(grads: list[torch.Tensor], group: Any, reduced_finite: torch.Tensor | None = None) -> bool:
     """Whether every gradient on every holder is finite: one fused norm, and one small
-    all-reduce when the gradients are split between ranks (group is not None)."""
+    all-reduce when the gradients are split between ranks (group is not None), unless every
+    rank saw every reduction whole and summed it (`reduced_finite`, ParallelModule.reduced_finite)."""
+    if reduced_finite is not None:
+        return bool(reduced_finite.item())
     # a sum is the cheapest full read, and NaN and inf survive it (finite values summing past the
     # float range would be a false alarm, at gradients of 1e38)
     sums = [g.sum() for g in grads] if len(grads) < 8 else torch._foreach_norm(grads)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
+from paratrain.parallel.zero.collectives import ReducedSums
 from paratrain.testing import max_param_diff, run_on_ranks
 from models import make_batches, make_model
 
@@ -27,8 +28,11 @@ def _sgd(model):
 
 # -- 9: a NaN gradient with a finite loss ----------------------------------------------------------
 
-def _nan_gradient(topo, strategy, tmp):
-    """Rank 1's gradient of one weight turns NaN in the second step; the loss stays finite."""
+def _nan_gradient(topo, strategy, tmp, limit=None):
+    """Rank 1's gradient of one weight turns NaN in the second step; the loss stays finite.
+    `limit`: ReducedSums.LIMIT for ZeRO (0: the check all-reduces a flag, whatever the size)."""
+    if limit is not None:
+        ReducedSums.LIMIT = limit
     session = pt.Session(strategy, topology=topo, progress_bar=False)
     model = make_model("mlp")
     model, opt = session.setup(model, _sgd(model))
@@ -52,13 +56,46 @@ def _nan_gradient(topo, strategy, tmp):
     return error, max_param_diff(before, after)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
-def test_a_nan_gradient_stops_every_rank_before_the_step(strategy, tmp_path):
-    for error, moved in run_on_ranks(_nan_gradient, 2, strategy, str(tmp_path), timeout=120):
+@pytest.mark.parametrize("strategy, limit", [("ddp", None), ("zero1", None), ("zero2", None), ("zero3", None),
+                                             ("zero2", 0), ("zero3", 0)])
+def test_a_nan_gradient_stops_every_rank_before_the_step(strategy, limit, tmp_path):
+    """ZeRO's small models: each rank sums the whole reductions it saw (ReducedSums); limit 0:
+    the owners check their slices and all-reduce a flag."""
+    for error, moved in run_on_ranks(_nan_gradient, 2, strategy, str(tmp_path), limit, timeout=120):
         assert error is not None and "gradient is NaN or infinite although the loss was finite" in error
         assert moved == 0  # no parameter changed
     restored = run_on_ranks(_load_newest, 1, str(tmp_path))[0]
     assert all(torch.isfinite(v).all() for v in restored.values())
+
+
+def _flag_all_reduces(topo, strategy, limit):
+    """All-reduces of one element (the finite check's flag) in one train_step."""
+    ReducedSums.LIMIT = limit
+    session = pt.Session(strategy, topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    model, _ = session.setup(model, _sgd(model))
+    x, y = XS[0].chunk(2)[topo.rank], YS[0].chunk(2)[topo.rank]
+    real, flags = torch.distributed.all_reduce, []
+
+    def counting(tensor, *args, **kwargs):
+        flags.append(tensor.numel() == 1)
+        return real(tensor, *args, **kwargs)
+
+    torch.distributed.all_reduce = counting
+    try:
+        session.train_step((x, y), F.cross_entropy)
+    finally:
+        torch.distributed.all_reduce = real
+    return sum(flags)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_a_small_zero_model_checks_its_gradients_without_a_collective(strategy):
+    """On gloo every rank holds each reduction whole: a model under ReducedSums.LIMIT elements sums
+    them instead of all-reducing a flag (bench/session.py's tiny model: that flag was most of what
+    the session added); above it, the flag."""
+    assert run_on_ranks(_flag_all_reduces, 2, strategy, ReducedSums.LIMIT) == [0, 0]
+    assert run_on_ranks(_flag_all_reduces, 2, strategy, 0) == [1, 1]
 
 
 def _load_newest(topo, tmp):

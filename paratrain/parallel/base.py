@@ -148,6 +148,13 @@ class ParallelModule(nn.Module):
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         return [p.grad for p in self.parameters() if p.grad is not None], None
 
+    def reduced_finite(self) -> torch.Tensor | None:
+        """Whether every gradient reduced since the last call is finite, known on every rank
+        without a collective (a 0-dim bool tensor), or None when this rank cannot tell alone;
+        called once per optimizer step. Sharded strategies that see each reduction whole say
+        (zero/collectives.py, ReducedSums); replicated ones need not: local_grads() is all."""
+        return None
+
     def check_loader(self, loader: Any) -> None:
         pass
 

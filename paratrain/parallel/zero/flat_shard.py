@@ -40,7 +40,7 @@ from torch import nn
 
 from paratrain.comm import all_gather_single
 from paratrain.parallel.base import FlatLayout
-from paratrain.parallel.zero.collectives import add_into, gather_from_owners, reduce_to_owners
+from paratrain.parallel.zero.collectives import ReducedSums, add_into, gather_from_owners, reduce_to_owners
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ class FlatShard:
         self._touched = False  # a gradient arrived since `grad` was made (accumulation: over backwards)
         self.gathered = False
         self._gather_work: list[dist.Work] | None = None
-        self._reduce: tuple[dist.Work, torch.Tensor] | None = None
+        # (work, this rank's slice, the whole reduced buffer or None after a reduce-scatter)
+        self._reduce: tuple[dist.Work, torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def full_bytes(self) -> int:
@@ -159,14 +160,20 @@ class FlatShard:
         grad = self.grad
         self.drop_grad()
         grad.div_(self.world)  # summing pre-divided values: the mean, without fp16 overflow
-        self._reduce = reduce_to_owners(grad, self.group, rank=self.rank, world=self.world, scatter=scatter)
+        work, mine = reduce_to_owners(grad, self.group, rank=self.rank, world=self.world, scatter=scatter)
+        self._reduce = work, mine, None if scatter else grad
 
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, sums: ReducedSums | None = None) -> None:
+        """Wait for the reduction; `sums` (the finite check's) sees it, whole or not."""
         if self._reduce is None:
             return
-        work, mine = self._reduce
+        work, mine, whole = self._reduce
         work.wait()
         self._reduce = None
+        if sums is not None and whole is None:
+            sums.saw_a_slice()
+        elif sums is not None:
+            sums.add(whole)
         self.shard.grad = add_into(self.shard.grad, mine, like=self.shard)
 
     def drop_pending(self) -> None:

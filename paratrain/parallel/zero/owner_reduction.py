@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.parallel.buckets import Bucket, Reduction
-from paratrain.parallel.zero.collectives import add_into, reduce_to_owners
+from paratrain.parallel.zero.collectives import ReducedSums, add_into, reduce_to_owners
 
 
 @dataclass
@@ -31,6 +31,8 @@ class OwnerReduction(Reduction):
     world: int
     group_of: dict[nn.Parameter, int]  # each parameter's optimizer param group
     works: list[dist.Work] = field(default_factory=list)
+    sums: ReducedSums | None = None  # the finite check's sums of whole reductions (collectives.py)
+    reducing: list[Bucket] = field(default_factory=list)  # the buckets the works reduce
     backwards: int = 0  # synchronised backwards finished: when the reduced slices last changed
     rebuild = False  # the parameters live in the buckets' layout
     unused_advice = ("ZeRO stages 1 and 2 cannot leave a parameter out (the optimizer steps whole "
@@ -46,11 +48,15 @@ class OwnerReduction(Reduction):
 
     def start(self, bucket: Bucket) -> None:
         self.works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+        self.reducing.append(bucket)
 
     def finish(self) -> None:
-        for work in self.works:
+        for work, bucket in zip(self.works, self.reducing):
             work.wait()
+            if self.sums is not None:
+                self.sums.add(bucket.buffer)
         self.works.clear()
+        self.reducing.clear()
         self.backwards += 1
 
     def shard_grad(self, bucket: Bucket) -> torch.Tensor | None:
@@ -89,6 +95,10 @@ class ScatterToOwners(OwnerReduction):
     def finish(self) -> None:
         for bucket, work, mine in self._pending:
             work.wait()
+            if self.sums is not None and self.reduce_scatter:
+                self.sums.saw_a_slice()
+            elif self.sums is not None:
+                self.sums.add(bucket.buffer)
             self.shard_grads[bucket.index] = add_into(self.shard_grads.get(bucket.index), mine)
             for p in bucket.params:
                 p.grad = None

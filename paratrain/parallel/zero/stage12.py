@@ -40,7 +40,7 @@ from paratrain.precision import cast_floating
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, names_by_first, user_key
 from paratrain.parallel.buckets import Bucket
 from paratrain.parallel.ddp import DistributedDataParallel
-from paratrain.parallel.zero.collectives import OwnerCollectives, gather_from_owners
+from paratrain.parallel.zero.collectives import OwnerCollectives, gather_from_owners, reduced_sums_for
 from paratrain.parallel.zero.owner_reduction import OwnerReduction, ScatterToOwners
 from paratrain.parallel.zero.optim import param_groups_of
 
@@ -148,6 +148,9 @@ class ZeroDataParallel(DistributedDataParallel):
         self.attach_shard_grads()
         return [s.grad for s in self.shards if s.grad is not None], self.process_group or dist.group.WORLD
 
+    def reduced_finite(self) -> torch.Tensor | None:
+        return self._reduction.sums.take() if self._reduction.sums is not None else None
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole (averaged) gradient, computed from the shards."""
         grads, group = self.local_grads()
@@ -247,6 +250,7 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, *, s
     collectives = collectives or OwnerCollectives.for_group(process_group)
     where = dict(group=process_group, rank=dist.get_rank(process_group),
                  world=dist.get_world_size(process_group), group_of=group_of)
+    where["sums"] = reduced_sums_for(sum(p.numel() for p in model.parameters() if p.requires_grad))
     reduction = OwnerReduction(**where) if stage == 1 else \
         ScatterToOwners(**where, reduce_scatter=collectives.reduce_scatter)
     wrapped = ZeroDataParallel(model, reduction=reduction, collectives=collectives, process_group=process_group,

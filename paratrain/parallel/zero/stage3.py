@@ -39,7 +39,7 @@ from paratrain.materialize import Materializer, MetaInit, has_meta
 from paratrain.optim import clip_grad_norm_over
 from paratrain.precision import cast_floating
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, uncompiled, user_key
-from paratrain.parallel.zero.collectives import OwnerCollectives
+from paratrain.parallel.zero.collectives import OwnerCollectives, reduced_sums_for
 from paratrain.parallel.zero.flat_shard import FlatShard
 from paratrain.parallel.zero.units import Unit, flatten, innermost_unit, owners_by_param
 from paratrain.parallel.zero.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
@@ -90,6 +90,7 @@ class FullyShardedDataParallel(ParallelModule):
         self._reducing: list[FlatShard] = []  # the gradient reduction in flight
         self._forward_order: list[Unit] = []
         self.peak_gathered_bytes = 0
+        self._sums = reduced_sums_for(sum(f.padded for u in self.units for f in u.flats))  # finite check, step.py
         for unit in self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
@@ -185,7 +186,7 @@ class FullyShardedDataParallel(ParallelModule):
 
     def _settle_reduction(self) -> None:
         for earlier in self._reducing:  # waiting frees its full gradient
-            earlier.finish_grad_sync()
+            earlier.finish_grad_sync(self._sums)
         self._reducing = []
 
     def _finish_backward(self) -> None:
@@ -193,7 +194,7 @@ class FullyShardedDataParallel(ParallelModule):
             for flat in unit.flats:
                 if self._sync_this_backward and flat.grad_pending:  # a parameter had no gradient this time
                     flat.start_grad_sync(self.collectives.reduce_scatter)
-                flat.finish_grad_sync()
+                flat.finish_grad_sync(self._sums)
                 flat.reshard()
                 flat.end_backward()
             unit.backward_started = False
@@ -250,6 +251,9 @@ class FullyShardedDataParallel(ParallelModule):
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         """This rank's slices of the averaged gradients; the others are on the other ranks."""
         return [s.grad for s in self.shards if s.grad is not None], self.process_group or dist.group.WORLD
+
+    def reduced_finite(self) -> torch.Tensor | None:
+        return self._sums.take() if self._sums is not None else None
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole (averaged) gradient, computed from the shards."""
