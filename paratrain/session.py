@@ -34,7 +34,7 @@ from paratrain.materialize import MetaInit
 from paratrain.errors import ConfigError, UsageError
 from paratrain.autolog import Logging, open_metrics
 from paratrain.optim import Given, describe, retire_replaced
-from paratrain.parallel.base import ParallelModule, Strategy, check_loss, uncompiled
+from paratrain.parallel.base import ParallelModule, Strategy, check_loss, scaled, uncompiled
 from paratrain.preemption import Preemption, after_optimizer_step
 from paratrain.precision import GradScaler, autocast_dtype, scaler_for
 from paratrain.progress import progress
@@ -217,7 +217,7 @@ class Session(JobFacts, SessionCheckpoints):
         self._check_finite(check_loss(loss))
         if self._verify is not None:
             self._verify.loss(loss.detach())
-        (loss * self._loss_factor(weight)).backward()
+        scaled(loss, self._loss_factor(weight)).backward()
 
     def _loss_factor(self, weight: float | torch.Tensor | None) -> float:
         """What backward multiplies this micro-batch's loss by: 1/accumulate, or its weight

@@ -128,7 +128,7 @@ class ParallelModule(nn.Module):
     def forward_backward(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
         outputs = self(**inputs) if isinstance(inputs, Mapping) else self(inputs)  # a dict: keyword arguments
         loss = check_loss(loss_fn(outputs, targets))
-        (loss * scale).backward()
+        scaled(loss, scale).backward()
         return loss.detach()
 
     @staticmethod
@@ -225,6 +225,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict with the user's keys, whatever wraps it (a collective under
     sharded strategies); a plain module's own state dict."""
     return model.full_state_dict() if isinstance(model, ParallelModule) else model.state_dict()
+
+
+def scaled(loss: torch.Tensor, factor: float) -> torch.Tensor:
+    """`loss * factor`, or `loss` itself for 1.0: no op in forward, none in backward."""
+    return loss if factor == 1.0 else loss * factor
 
 
 def check_loss(loss: Any) -> torch.Tensor:
