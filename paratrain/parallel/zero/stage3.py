@@ -22,7 +22,6 @@ So at most the root, the running unit and the prefetched one are gathered at onc
 
 from __future__ import annotations
 
-import enum
 import functools
 import warnings
 from typing import Any, Iterator
@@ -41,14 +40,8 @@ from paratrain.precision import cast_floating
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, uncompiled, user_key
 from paratrain.parallel.zero.collectives import OwnerCollectives, reduced_sums_for
 from paratrain.parallel.zero.flat_shard import FlatShard
-from paratrain.parallel.zero.units import Unit, flatten, innermost_unit, owners_by_param
+from paratrain.parallel.zero.units import TrainingState, Unit, flatten, innermost_unit, owners_by_param
 from paratrain.parallel.zero.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
-
-
-class TrainingState(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
 
 
 class FullyShardedDataParallel(ParallelModule):
@@ -67,7 +60,7 @@ class FullyShardedDataParallel(ParallelModule):
         if uncompiled(module) is not module:  # [Note: ZeRO-3 under torch.compile]
             warnings.warn("ZeRO-3 trains a torch.compile'd model correctly but uncompiled (its gather hooks cannot "
                           "be traced; compiling after setup too): zero2 or ddp keep the compiled graph", stacklevel=3)
-        self.forward = torch.compiler.disable(self.forward)  # [Note: ZeRO-3 under torch.compile]
+        _forward_runs_eagerly()  # [Note: ZeRO-3 under torch.compile]
         self.module, self.process_group, self.prefetch = module, process_group, prefetch
         self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.replicas, self.replica_index = self.world, self.rank
@@ -124,8 +117,7 @@ class FullyShardedDataParallel(ParallelModule):
     # [Note: ZeRO-3 under torch.compile] Its hooks gather into and free storages that are resized
     # in place, which dynamo cannot trace (it failed inside inductor on "dynamic shapes"): a
     # compiled ZeRO-3 model runs its forward eagerly, so it trains correctly, only uncompiled.
-    # (__init__ wraps it in torch.compiler.disable: as a decorator it imported torch._dynamo, two
-    # seconds, with `import paratrain`, in every process, the launcher's too.)
+    # (The first __init__ wraps it in torch.compiler.disable: _forward_runs_eagerly.)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self._forget_unfinished_backward()
@@ -298,3 +290,10 @@ class FullyShardedDataParallel(ParallelModule):
                 for n in s.names[1:]}
         return CheckpointLayout(whole.params, flat, True, whole.buffers, {**shapes, **whole.shapes},
                                 {**tied, **whole.aliases}, whole.persistent)
+
+
+@functools.cache
+def _forward_runs_eagerly() -> None:
+    """[Note: ZeRO-3 under torch.compile], once, for the class. Not a decorator: that imports
+    torch._dynamo (two seconds) with `import paratrain`, in every process, the launcher too."""
+    FullyShardedDataParallel.forward = torch.compiler.disable(FullyShardedDataParallel.forward)

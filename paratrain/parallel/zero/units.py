@@ -1,8 +1,10 @@
 """How ZeRO stage 3 takes a model apart into units: which names each trainable parameter has,
-which unit owns it, flattening its parameters into flat shards and releasing the originals."""
+which unit owns it, flattening its parameters into flat shards and releasing the originals; and
+the states the sharded model moves through in a step."""
 
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import dataclass
 
@@ -11,6 +13,12 @@ from torch import nn
 
 from paratrain.errors import UsageError
 from paratrain.parallel.zero.flat_shard import FlatShard, ParamSlot
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
 
 
 def owners_by_param(root: nn.Module) -> dict[nn.Parameter, list[tuple[str, nn.Module, str]]]:
