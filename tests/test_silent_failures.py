@@ -329,3 +329,32 @@ def test_a_new_learning_rate_at_resume_is_named_and_can_be_kept(tmp_path):
             else:
                 session.load(tmp_path / "sgd", hyperparameters=policy)
             assert opt.param_groups[0]["lr"] == lr and session.micro_step == 1
+
+
+def _nan_backward_dropped(topo, stage):
+    """A backward whose gradients turn NaN on rank 1, dropped by optimizer.zero_grad(); then a
+    clean backward and the step's checks: the dropped gradients' sums must not stop it."""
+    from paratrain.accumulation import TokenWeights
+    from paratrain.step import optimizer_step
+
+    model = make_model("mlp")
+    model, opt = pt.shard(model, _sgd(model), stage=stage)
+    x, y = XS[0].chunk(2)[topo.rank], YS[0].chunk(2)[topo.rank]
+    poison = {"on": topo.rank == 1}
+
+    def poisoned(module, args, out):
+        if poison["on"]:
+            out.register_hook(lambda g: g * float("nan"))
+
+    model.module.net[0].register_forward_hook(poisoned)
+    F.cross_entropy(model(x), y).backward()
+    opt.zero_grad()
+    poison["on"] = False
+    F.cross_entropy(model(x), y).backward()
+    result = optimizer_step(model, opt, weights=TokenWeights(), scaler=None, max_grad_norm=None, check_finite=True)
+    return result.stepped
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradients_dropped_by_zero_grad_leave_nothing_for_the_finite_check(stage):
+    assert run_on_ranks(_nan_backward_dropped, 2, stage) == [True, True]

@@ -67,7 +67,10 @@ class OwnerReduction(Reduction):
         """The layout is final (stage 2 frees the full gradients until backward fills them)."""
 
     def zero_grad(self) -> None:
-        """Forget the reduced slices (stage 1 reads them in the buckets: nothing to forget)."""
+        """Forget the reduced slices (stage 1 reads them in the buckets) and what the finite
+        check summed of them."""
+        if self.sums is not None:
+            self.sums.take()
 
 
 @dataclass
@@ -115,4 +118,5 @@ class ScatterToOwners(OwnerReduction):
         self.shard_grads.clear()
 
     def zero_grad(self) -> None:
+        super().zero_grad()
         self.shard_grads.clear()

@@ -139,11 +139,10 @@ class FullyShardedDataParallel(ParallelModule):
     def _post_forward(self, unit: Unit, module, args, output) -> Any:
         if unit.name:
             self._reshard(unit)
-        elif not torch.is_grad_enabled():  # inference: free everything, unused prefetches too
-            for each in self.units:
-                self._reshard(each)
-        if not unit.name:
+        else:  # the root: the forward is over; in inference free everything, unused prefetches too
             self.state = TrainingState.IDLE
+            for each in self.units if not torch.is_grad_enabled() else ():
+                self._reshard(each)
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if torch.is_tensor(t) and t.requires_grad:
@@ -160,6 +159,8 @@ class FullyShardedDataParallel(ParallelModule):
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.BACKWARD
             Variable._execution_engine.queue_callback(self._finish_backward)
+            if all(s.grad is None for s in self.shards):  # a new step: the finite check starts afresh
+                self.reduced_finite()
         self._unshard(unit)
         if self.prefetch:
             self._prefetch(unit, step=-1)
