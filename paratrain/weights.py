@@ -67,7 +67,8 @@ def _model_names(model: nn.Module) -> dict[str, Any]:
     layout = layout_of(model)
     mine = {"params": dict(layout.shapes), "aliases": dict(layout.aliases),
             "buffers": {n: b.shape for n, b in layout.saved_buffers().items()}}
-    return {part: {k: v for rank in all_gather(mine) for k, v in rank[part].items()} for part in mine}
+    everyone = all_gather(mine)
+    return {part: {k: v for rank in everyone for k, v in rank[part].items()} for part in mine}
 
 
 def _check(names: dict[str, Any], reader: "WeightsReader", strict: bool, source: Source) -> dict[str, str]:
