@@ -188,8 +188,8 @@ MUTANTS = [
            ("tests/test_zero.py",)),
     Mutant("reduced-sums-always-finite", "the sums of whole reductions call every gradient finite",
            "paratrain/parallel/zero/collectives.py",
-           (("        return torch.isfinite(total) if whole and total is not None else None",
-             "        return torch.tensor(True) if whole and total is not None else None"),),
+           (("        return torch.isfinite(total) if total is not None else None",
+             "        return torch.tensor(True) if total is not None else None"),),
            ("tests/test_silent_failures.py",)),
     # issue 13: verify
     Mutant("verify-rank-0-only", "paratrain verify checks a replicated parameter on the lowest rank only",

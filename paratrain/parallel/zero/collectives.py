@@ -43,27 +43,24 @@ class ReducedSums:
 
     def __init__(self) -> None:
         self.total: torch.Tensor | None = None
-        self.whole = True  # every reduction since the last take() was seen whole
 
     def add(self, flat: torch.Tensor) -> None:
         """`flat` is a whole reduced buffer (after its work's wait)."""
         total = flat.detach().sum(dtype=torch.float32)
         self.total = total if self.total is None else self.total.add_(total)
 
-    def saw_a_slice(self) -> None:
-        self.whole = False
-
     def take(self) -> torch.Tensor | None:
-        """Whether every sum was finite (a 0-dim bool tensor), or None when a reduction was seen
-        in part or none was seen; starts the next count."""
-        total, whole = self.total, self.whole
-        self.total, self.whole = None, True
-        return torch.isfinite(total) if whole and total is not None else None
+        """Whether every sum was finite (a 0-dim bool tensor), or None when none was taken;
+        starts the next count."""
+        total, self.total = self.total, None
+        return torch.isfinite(total) if total is not None else None
 
 
-def reduced_sums_for(elements: int) -> ReducedSums | None:
-    """A ReducedSums where the gradients reduced per step (`elements` in all) are few enough to gain."""
-    return ReducedSums() if elements <= ReducedSums.LIMIT else None
+def reduced_sums_for(elements: int, scatter: bool) -> ReducedSums | None:
+    """A ReducedSums where each rank sees every reduction whole (`scatter`: reduce-scatters, which
+    leave each rank its slice only) and the gradients reduced per step (`elements`) are few
+    enough to gain."""
+    return ReducedSums() if not scatter and elements <= ReducedSums.LIMIT else None
 
 
 def reduce_to_owners(flat: torch.Tensor, group=None, *, rank: int, world: int,

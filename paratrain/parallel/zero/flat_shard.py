@@ -81,11 +81,9 @@ class FlatShard:
         _free(self.full)
         self.grad: torch.Tensor | None = None  # the full gradient backward is filling
         self._arrived = 0  # leaves whose gradient this backward has added to `grad`
-        self._touched = False  # a gradient arrived since `grad` was made (accumulation: over backwards)
         self.gathered = False
         self._gather_work: list[dist.Work] | None = None
-        # (work, this rank's slice, the whole reduced buffer or None after a reduce-scatter)
-        self._reduce: tuple[dist.Work, torch.Tensor, torch.Tensor | None] | None = None
+        self._reduce: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None  # (work, slice, buffer)
 
     @property
     def full_bytes(self) -> int:
@@ -137,43 +135,39 @@ class FlatShard:
             span.copy_(arrived)  # (which accumulates out of place); either way it holds the sum
             leaf.grad = span
         self._arrived += 1
-        self._touched = True
         return self._arrived == len(self.leaves)
 
     @property
     def grad_pending(self) -> bool:
-        """A gradient arrived that no reduction has taken yet."""
-        return self.grad is not None and self._touched
+        """A gradient arrived that no reduction has taken yet (`grad` is made at the first)."""
+        return self.grad is not None
 
     def end_backward(self) -> None:
-        """Count the next backward's gradients afresh; a buffer no gradient reached is dropped."""
+        """Count the next backward's gradients afresh."""
         self._arrived = 0
-        if self.grad is not None and not self._touched:
-            self.drop_grad()
 
     def drop_grad(self) -> None:
         for _, leaf in self.leaves:
             leaf.grad = None
-        self.grad, self._arrived, self._touched = None, 0, False
+        self.grad, self._arrived = None, 0
 
     def start_grad_sync(self, scatter: bool) -> None:
         grad = self.grad
         self.drop_grad()
         grad.div_(self.world)  # summing pre-divided values: the mean, without fp16 overflow
         work, mine = reduce_to_owners(grad, self.group, rank=self.rank, world=self.world, scatter=scatter)
-        self._reduce = work, mine, None if scatter else grad
+        self._reduce = work, mine, grad
 
     def finish_grad_sync(self, sums: ReducedSums | None = None) -> None:
-        """Wait for the reduction; `sums` (the finite check's) sees it, whole or not."""
+        """Wait for the reduction; `sums` (the finite check's, made only where the reduction is
+        an all-reduce) sees the whole reduced buffer."""
         if self._reduce is None:
             return
-        work, mine, whole = self._reduce
+        work, mine, reduced = self._reduce
         work.wait()
         self._reduce = None
-        if sums is not None and whole is None:
-            sums.saw_a_slice()
-        elif sums is not None:
-            sums.add(whole)
+        if sums is not None:
+            sums.add(reduced)
         self.shard.grad = add_into(self.shard.grad, mine, like=self.shard)
 
     def drop_pending(self) -> None:

@@ -98,9 +98,7 @@ class ScatterToOwners(OwnerReduction):
     def finish(self) -> None:
         for bucket, work, mine in self._pending:
             work.wait()
-            if self.sums is not None and self.reduce_scatter:
-                self.sums.saw_a_slice()
-            elif self.sums is not None:
+            if self.sums is not None:  # made only where each reduction is whole
                 self.sums.add(bucket.buffer)
             self.shard_grads[bucket.index] = add_into(self.shard_grads.get(bucket.index), mine)
             for p in bucket.params:

@@ -83,7 +83,7 @@ class FullyShardedDataParallel(ParallelModule):
         self._reducing: list[FlatShard] = []  # the gradient reduction in flight
         self._forward_order: list[Unit] = []
         self.peak_gathered_bytes = 0
-        self._sums = reduced_sums_for(sum(f.padded for u in self.units for f in u.flats))  # finite check, step.py
+        self._sums = reduced_sums_for(sum(f.padded for u in self.units for f in u.flats), self.collectives.reduce_scatter)
         for unit in self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
@@ -117,7 +117,6 @@ class FullyShardedDataParallel(ParallelModule):
     # [Note: ZeRO-3 under torch.compile] Its hooks gather into and free storages that are resized
     # in place, which dynamo cannot trace (it failed inside inductor on "dynamic shapes"): a
     # compiled ZeRO-3 model runs its forward eagerly, so it trains correctly, only uncompiled.
-    # (The first __init__ wraps it in torch.compiler.disable: _forward_runs_eagerly.)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self._forget_unfinished_backward()
@@ -139,10 +138,11 @@ class FullyShardedDataParallel(ParallelModule):
     def _post_forward(self, unit: Unit, module, args, output) -> Any:
         if unit.name:
             self._reshard(unit)
-        else:  # the root: the forward is over; in inference free everything, unused prefetches too
+        else:  # the root: the forward is over
             self.state = TrainingState.IDLE
-            for each in self.units if not torch.is_grad_enabled() else ():
-                self._reshard(each)
+            if not torch.is_grad_enabled():  # inference: free everything, unused prefetches too
+                for each in self.units:
+                    self._reshard(each)
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if torch.is_tensor(t) and t.requires_grad:
