@@ -133,8 +133,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         raise ConfigError(f"{path} is not a complete paratrain checkpoint (no {MARKER}): it may be a "
                           "save that was interrupted; use paratrain.checkpoint.latest(root)")
     verify(path)
-    reader = _io().SafeReader(path)
-    metadata = _io().read_or_damaged(reader.read_metadata, path)
+    io = _io()
+    reader = io.SafeReader(path)
+    metadata = io.read_or_damaged(reader.read_metadata, path)
     meta = _read_meta(path, metadata)
     optim_keys = _optimizer_keys(metadata) if optimizer is not None else None
     entries, shapes = state_entries(model, optimizer, optim_keys)
@@ -142,7 +143,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     rng = {k.split("/", 2)[2]: torch.empty(metadata.state_dict_metadata[k].size, dtype=torch.uint8)
            for k in metadata.state_dict_metadata if k.startswith(f"rng/{rank()}/")}
     entries.update({f"rng/{rank()}/{k}": v for k, v in rng.items()})
-    _io().read_or_damaged(lambda: _io().dcp.load(entries, storage_reader=reader), path)
+    io.read_entries(entries, reader, path)
     loaded(model)
     if hyperparameters:
         _apply_hyperparameters(optimizer, meta["param_groups"])
@@ -189,7 +190,7 @@ def _read_meta(path: Path, metadata) -> dict:
     if "meta/json" not in metadata.state_dict_metadata:
         raise ConfigError(f"{path} was not written by paratrain.checkpoint.save")
     blob = torch.empty(metadata.state_dict_metadata["meta/json"].size, dtype=torch.uint8)
-    _io().read_or_damaged(lambda: _io().dcp.load({"meta/json": blob}, storage_reader=_io().SafeReader(path)), path)
+    _io().read_entries({"meta/json": blob}, _io().SafeReader(path), path)
     meta = json_of(blob)
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path} has checkpoint format {meta.get('format')}; this paratrain reads {FORMAT}")

@@ -111,3 +111,9 @@ def read_or_damaged(fn, path: Path):
     except (Exception, dcp.CheckpointException) as e:  # a damaged file, seen by DCP or the unpickler
         cause = describe_failure(e) if isinstance(e, dcp.CheckpointException) else str(e)
         raise DamagedCheckpoint(f"checkpoint {path} cannot be read: {cause}{ADVICE}") from e
+
+
+def read_entries(entries: dict, reader: SafeReader, path: Path, **options: Any) -> None:
+    """Fill `entries` in place from checkpoint `path` through `reader` (dcp.load with `options`);
+    a damaged file raises DamagedCheckpoint naming it."""
+    read_or_damaged(lambda: dcp.load(entries, storage_reader=reader, **options), path)

@@ -23,7 +23,6 @@ the header once: disk, not memory, pays for streaming.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -142,7 +141,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, dtype: to
     buffers = meta.get("buffers")
     if buffers is None:
         buffers = [key.split("/", 1)[1] for key in kinds if key.startswith("buffers/")]
-    from paratrain.checkpoint_dcp import SafeReader, dcp, read_or_damaged  # DCP on use: checkpoint_dcp.py
+    from paratrain.checkpoint_dcp import SafeReader, read_entries  # DCP on use: checkpoint_dcp.py
 
     reader = SafeReader(Path(path))
     largest = 0
@@ -151,7 +150,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, dtype: to
             key = f"model/{name}" if name in meta["shapes"] else f"buffers/{name}"
             stored_dtype, shape = kinds[key]
             flat = torch.empty(torch.Size(shape).numel() if key.startswith("model/") else shape, dtype=stored_dtype)
-            read_or_damaged(functools.partial(dcp.load, {key: flat}, storage_reader=reader, no_dist=True), Path(path))
+            read_entries({key: flat}, reader, Path(path), no_dist=True)
             value = flat.view(shape)
             largest = max(largest, value.nbytes)
             if dtype is not None and value.is_floating_point():
