@@ -43,7 +43,9 @@ def ckpt(args: argparse.Namespace) -> None:
     print(f"checkpoint {args.path}")
     print(f"  written by {meta['world_size']} process(es), strategy {state.get('strategy', '?')}, "
           f"optimizer {state.get('optimizer') or 'none'}")
-    print(f"  epoch {state.get('epoch', 0)}, micro-batches trained {state.get('micro_step', 0)}")
+    micro, accumulate = state.get("micro_step", 0), state.get("accumulate")
+    steps = f", optimizer steps {micro // accumulate} (accumulate {accumulate})" if accumulate else ""
+    print(f"  epoch {state.get('epoch', 0)}, micro-batches trained {micro}{steps}")
     sizes = [torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in tensors]
     groups: dict[str, list[int]] = {}
     for (key, _, _), size in zip(tensors, sizes):

@@ -17,7 +17,11 @@ or in what order, nor the device. The reference for a sharded run is the same mo
 materialised whole by the same rule (`Materializer(model).materialize()`).
 
 A module that owns a meta tensor, has no reset_parameters() and is given no init_fn is refused,
-naming it: its values would be whatever the memory held.
+naming it: its values would be whatever the memory held. So is a floating-point tensor that its
+owner's reset_parameters() and init_fn leave unset, wholly or in part (a causal mask built in
+`__init__`, which on the meta device holds no values, is the common case): each is filled with NaN
+before the calls and checked after them. Integer and boolean tensors cannot be marked that way;
+their owner's calls must set them.
 """
 
 from __future__ import annotations
@@ -69,13 +73,29 @@ class Materializer:
         todo = [t for t in (tensors if tensors is not None else self._all()) if t.is_meta]
         for t in todo:
             _swap(t, "cpu")
+            if t.is_floating_point():
+                t.detach().fill_(float("nan"))  # unset: whatever is still NaN after the owners ran
         mine = {id(t) for t in todo}
         owners = {self._owner[i][0]: self._owner[i][1:] for i in mine}  # whole-model order → (path, owner)
         for order in sorted(owners):
             self._initialise(*owners[order], mine)
+        self._check_set(todo)
         if device is not None and torch.device(device).type != "cpu":
             for t in todo:
                 _swap(t, device)
+
+    def _check_set(self, tensors: list[torch.Tensor]) -> None:
+        """Refuse floating-point tensors that no owner's call set (still NaN somewhere), by name."""
+        unset = [t for t in tensors if t.is_floating_point() and bool(torch.isnan(t.detach()).any())]
+        if unset:
+            names = {id(t): f"{path + '.' if path else ''}{name}" for path, module in self.model.named_modules()
+                     for name, t in itertools.chain(module._parameters.items(), module._buffers.items())
+                     if t is not None}
+            raise ConfigError(f"{', '.join(names[id(t)] for t in unset)} of the meta-built model "
+                              f"{'was' if len(unset) == 1 else 'were'} not set (wholly or in part) by the owning "
+                              "module's reset_parameters() nor by init_fn: a tensor made in __init__ on the meta "
+                              "device has no values. Set it in reset_parameters() or in "
+                              "setup(..., init_fn=fn), where fn(module) sets the values of what a module holds")
 
     def _all(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}

@@ -191,7 +191,8 @@ def session_state(session: "Session") -> tuple[dict, dict]:
             raise ConfigError(f"the state_dict() of registered object {name!r} is not JSON ({e}); "
                               "checkpoints store JSON, never pickles: register only objects whose "
                               "state is numbers, strings, lists and dicts") from None
-    state = {"epoch": where["epoch"], "micro_step": where["micro_step"], "strategy": session.strategy.name,
+    state = {"epoch": where["epoch"], "micro_step": where["micro_step"], "accumulate": session.accumulate,
+             "strategy": session.strategy.name,
              "optimizer": session.given.optimizer,
              "sampler": where["sampler"], "scaler": session.scaler.state_dict() if session.scaler is not None else None,
              "objects": objects}

@@ -67,11 +67,12 @@ def _train(topo, name: str, which):
     return session.full_state_dict(), Block.calls
 
 
-@pytest.mark.parametrize("name,world", [("single", 1), ("ddp", 2), ("zero2", 2), ("zero3", 2),
+@pytest.mark.parametrize("name,world", [("single", 1), ("ddp", 2), ("hierarchical", 4), ("zero1", 2), ("zero2", 2), ("zero3", 2),
                                         ("pipeline", 2), ("pipeline", 4)])
 def test_training_with_activation_checkpointing_equals_training_without(name, world):
-    plain = run_on_ranks(_train, world, name, None)
-    checkpointed = run_on_ranks(_train, world, name, "auto")
+    nodes = 2 if name == "hierarchical" else 1  # 2 nodes × 2: both of its reduction's levels
+    plain = run_on_ranks(_train, world, name, None, nodes=nodes)
+    checkpointed = run_on_ranks(_train, world, name, "auto", nodes=nodes)
     for (state, calls), (expected, plain_calls) in zip(checkpointed, plain):
         assert max_param_diff(state, expected) == 0  # the recompute replays the forward exactly, dropout too
         assert plain_calls > 0 and calls == 2 * plain_calls  # every block ran again in backward

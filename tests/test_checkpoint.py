@@ -291,7 +291,7 @@ def test_ckpt_info_reads_a_sharded_checkpoint_offline(tmp_path):
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "written by 2 process(es), strategy zero3, optimizer torch.optim.adam.Adam" in out
-    assert "micro-batches trained 3" in out
+    assert "micro-batches trained 3, optimizer steps 3 (accumulate 1)" in out
     model = make_model("mlp")
     for name, p in model.named_parameters():
         size = p.numel() * 4

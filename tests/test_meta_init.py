@@ -65,6 +65,45 @@ def test_a_meta_tensor_nothing_can_initialise_is_named():
         pt.materialize(meta_gpt())
 
 
+class Masked(nn.Module):
+    """nanoGPT's pattern: a causal mask made in __init__, which on the meta device holds no values."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("causal", torch.tril(torch.ones(4, 4)), persistent=False)
+        self.gain = nn.Parameter(torch.ones(4))
+
+
+def test_a_tensor_that_no_owner_sets_is_named_not_left_as_garbage():
+    def gain_only(module):
+        if isinstance(module, Masked):
+            module.gain.fill_(1.0)
+    with torch.device("meta"):
+        model = Masked()
+    with pytest.raises(pt.ConfigError, match=r"^causal of the meta-built model was not set .* reset_parameters\(\) "
+                                             r"nor by init_fn.*init_fn=fn"):
+        pt.materialize(model, init_fn=gain_only)
+
+    def half_of_the_mask(module):
+        gain_only(module)
+        if isinstance(module, Masked):
+            module.causal[:2] = 1.0  # the other two rows stay unset
+    with torch.device("meta"):
+        model = Masked()
+    with pytest.raises(pt.ConfigError, match=r"^causal of the meta-built model was not set \(wholly or in part\)"):
+        pt.materialize(model, init_fn=half_of_the_mask)
+
+    def mask_and_gain(module):
+        gain_only(module)
+        if isinstance(module, Masked):
+            module.causal.copy_(torch.tril(torch.ones(4, 4)))
+    with torch.device("meta"):
+        model = Masked()
+    pt.materialize(model, init_fn=mask_and_gain)
+    assert torch.equal(model.causal, torch.tril(torch.ones(4, 4))) and torch.equal(model.gain, torch.ones(4))
+
+
 def reference():
     return train_one_process(pt.materialize(meta_gpt(), seed=0, init_fn=init_positions), STEPS)
 
