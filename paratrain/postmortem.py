@@ -14,6 +14,13 @@ it was when the launcher stopped it. The blame goes, in this order, to
 3. a rank the launcher stopped outside any collective while another gave up waiting in one;
 4. failing all of these, the agent's first failure, with what every rank was waiting in.
 
+One failure is no failure of the job: every rank ran its script to the end (its exit handlers
+ran: worker.py's note says "exit"), and a rank was then killed by a signal as its process exited
+(gloo or the interpreter's teardown aborting, seen in CI about once in some hundred jobs), or was
+stopped by the launcher after that. Every rank's work is done, so `paratrain run` says so in one
+line and exits 0. A rank whose script called sys.exit(n) with n != 0 and then crashed so is
+reported as finished too: its note cannot tell the status it was leaving with.
+
 Then, from the rings the ranks' flight recorders left (hang_report.py): where each rank was in
 its collectives, which ranks are behind, and the user's line where their histories first differ.
 
@@ -62,6 +69,9 @@ def report(error: ChildFailedError, notes_dir: str) -> int:
     """Print the summary on stderr; return the exit status of the failed rank it names."""
     first_rank, _ = error.get_first_failure()
     ends = read_ends(error, notes_dir)
+    if finished_everywhere(ends):
+        print(f"paratrain run: {_teardown_line(ends)}", file=sys.stderr)
+        return 0
     lines, status = summarize(ends, first_rank)
     try:
         lines += hang_report.describe(hang_report.read_rings(notes_dir, {r: e.pid for r, e in ends.items()}))
@@ -89,6 +99,23 @@ def read_ends(error: ChildFailedError, notes_dir: str) -> dict[int, RankEnd]:
         if note["attempt"] == attempt and note["rank"] not in ends:
             ends[note["rank"]] = RankEnd(note["rank"], 0, note["pid"], note, "")
     return dict(sorted(ends.items()))
+
+
+def finished_everywhere(ends: dict[int, RankEnd]) -> bool:
+    """Every rank ran its script to the end, and those that failed were killed by a signal after
+    that (in teardown, or by the launcher stopping the rest): the job's work is done."""
+    return all(e.kind == "exit" for e in ends.values()) and all(e.exitcode <= 0 for e in ends.values())
+
+
+def _teardown_line(ends: dict[int, RankEnd]) -> str:
+    failed = [e for e in ends.values() if e.exitcode < 0]
+    crashed = [e for e in failed if not _stopped(e)] or failed
+    line = (f"every rank ran its script to the end; then {', '.join(f'rank {e.rank} was {_exit(e.exitcode)}' for e in crashed)}"
+            " as the process exited (after the script's last line and its exit handlers: torch's or the "
+            "interpreter's teardown)")
+    if stopped := [e for e in failed if e not in crashed]:
+        line += f", and the launcher stopped {_ranks(stopped)}"
+    return line + ". The job's work is done: exit status 0"
 
 
 def summarize(ends: dict[int, RankEnd], first_rank: int) -> tuple[list[str], int]:
