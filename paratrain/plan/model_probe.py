@@ -57,6 +57,8 @@ class StepCount:
     flops_backward: int  # with the checkpointed modules' forward run again, if any
     activation_bytes: int  # saved for backward, distinct storages, parameters and buffers excluded
     block_activation_bytes: dict[str, int]  # of those, the bytes saved while each block ran
+    block_output_bytes: dict[str, int] = field(default_factory=dict)  # each block's output: what a
+    # pipeline cut after it sends forward (and its gradient back), for the whole batch
     checkpointed: tuple[str, ...] = ()  # the modules whose activations were checkpointed
     extended: bool = False  # counted from copies of the model cut to 1 and 2 blocks (repeated_blocks.py)
 
@@ -144,6 +146,7 @@ def _count(source: ModelSource, model: nn.Module, *, stack: Stack | None, blocks
                      flops_backward=extend(one.flops_backward, two.flops_backward, stack),
                      activation_bytes=extend(one.activation_bytes, two.activation_bytes, stack),
                      block_activation_bytes=extend_blocks(two.block_activation_bytes, stack),
+                     block_output_bytes=extend_blocks(two.block_output_bytes, stack),
                      checkpointed=checkpointed, extended=True)
 
 
@@ -157,6 +160,7 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
     blocks = tuple(name for name in blocks if name in present)  # a cut stack holds fewer
     saved: dict[StorageWeakRef, int] = {}
     by_block: dict[str, int] = {name: 0 for name in blocks}
+    outputs: dict[str, int] = {}
     running: list[str] = []  # the block whose forward is running, if any
     mode = FakeTensorMode()
 
@@ -168,7 +172,7 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
                 by_block[running[-1]] += saved[ref]
         return t
 
-    handles = _track_blocks(present, blocks, running)
+    handles = _track_blocks(present, blocks, running, outputs)
     autocast = PRECISIONS[precision]
     try:
         with faked(model, mode) as state, mode, fused_attention():
@@ -184,7 +188,7 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
             handle.remove()
     return StepCount(flops_forward=forward.get_total_flops(), flops_backward=backward.get_total_flops(),
                      activation_bytes=sum(saved.values()), block_activation_bytes=by_block,
-                     checkpointed=checkpointed)
+                     block_output_bytes=outputs, checkpointed=checkpointed)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -255,17 +259,20 @@ def _blocks(model: nn.Module) -> tuple[str, ...]:
         return ()
 
 
-def _track_blocks(modules: dict[str, nn.Module], blocks: tuple[str, ...], running: list[str]) -> list:
-    """Hooks that keep `running` naming the block whose forward is running. They fire around the
-    module's call, so a checkpointed block's saved inputs are its own."""
-    def leave(module, args, output) -> None:  # a forward hook's return value would replace the output
+def _track_blocks(modules: dict[str, nn.Module], blocks: tuple[str, ...], running: list[str],
+                  outputs: dict[str, int]) -> list:
+    """Hooks that keep `running` naming the block whose forward is running, and record each
+    block's output bytes in `outputs`. They fire around the module's call, so a checkpointed
+    block's saved inputs are its own."""
+    def leave(module, args, output, name) -> None:  # a forward hook's return value would replace the output
         running.pop()
+        outputs[name] = sum(t.numel() * t.element_size() for t in tree_leaves(output) if torch.is_tensor(t))
 
     handles = []
     for name in blocks:
         block = modules[name]
         handles.append(block.register_forward_pre_hook(lambda module, args, name=name: running.append(name)))
-        handles.append(block.register_forward_hook(leave, always_call=True))
+        handles.append(block.register_forward_hook(functools.partial(leave, name=name), always_call=True))
     return handles
 
 

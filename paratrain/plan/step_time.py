@@ -1,0 +1,174 @@
+"""How long one optimizer step takes under a strategy: compute, the communication compute does
+not hide, and a pipeline's bubble.
+
+Compute: the FLOPs model_probe counted for the global batch (forward; backward with any
+recompute), times this rank's share of the batch (1/replicas; a pipeline stage also 1/stages),
+at the cluster's achievable rate for the precision (cluster.flops). Ranks beyond a node's
+devices share them (a CPU node running more ranks than cores): each then computes that many
+times slower. Elementwise work is not counted (FlopCounterMode counts matmuls and attention), so
+small models are predicted faster than they run.
+
+Communication: each collective the strategy issues, timed by comm_model.py, on one queue per
+rank (c10d runs a group's collectives in the order issued). How each overlaps with compute:
+
+    gradient buckets (ddp, hierarchical, zero1, zero2)
+        bucket i is ready once backward has produced its gradients; gradients are assumed to
+        arrive in reverse registration order, evenly in parameter count over the backward:
+            ready_i = backward · (elements in buckets 1..i) / elements
+            end_i   = max(ready_i, end_{i-1}) + reduce_i
+        exposed = end_last − backward: what the step waits after its backward
+        (PyTorch DDP, Li et al., VLDB 2020, Figure 4; parallel/grad_sync.py)
+    zero1, zero2: then the updated slices go back to every rank after the optimizer step
+        (gather_from_owners: one all-gather per bucket on nccl, a broadcast per owner on gloo),
+        exposed whole
+    zero3 units (FSDP, Zhao et al., VLDB 2023): forward gathers each unit, the next one while the
+        current one computes (prefetch of one); backward gathers each again in reverse order and
+        reduce-scatters its gradients after its backward, on the same queue. A unit's compute is
+        its share of the parameters' FLOPs; the root unit runs first and last (its parameters
+        are the embedding and head). A two-resource schedule (queue and compute) gives the end.
+    pipeline (GPipe and 1F1B alike, Narayanan et al., SC 2021, §2.2): m micro-batches over p
+        stages take (m + p − 1) slots of one micro-batch's forward and backward on one stage,
+        plus a send and a receive of the cut's activation (forward) and its gradient (backward)
+        per slot; the bubble is the (p − 1) slots. Replicas of a stage all-reduce its gradients
+        after the last micro-batch's backward, which hides a slot's backward of it.
+
+What it leaves out: the optimizer step itself, kernel launch and Python overhead, compute slowed
+by communication sharing memory bandwidth or CPU cores (gloo reduces on the CPU: on
+`cpu-here` the collectives compete with the compute they overlap), and imbalance between stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.plan import comm_model
+from paratrain.plan.cluster import Cluster
+from paratrain.plan.comm_model import Group
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step on the slowest rank, by where they go."""
+
+    compute: float  # forward and backward (with recompute) of this rank's share
+    exposed_comm: float  # communication the compute does not hide
+    bubble: float = 0.0  # a pipeline's idle slots
+    comm: float = 0.0  # every collective's time, hidden or not
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_comm + self.bubble
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Seconds of forward and backward for the global batch on one device of the cluster."""
+
+    forward: float
+    backward: float
+
+    @classmethod
+    def of(cls, flops_forward: float, flops_backward: float, cluster: Cluster, dtype: str,
+           *, world: int, nodes: int = 1) -> "Compute":
+        """At the cluster's achievable rate, slowed when a node runs more ranks than devices."""
+        shared = max(1.0, world / nodes / cluster.gpus_per_node)
+        rate = cluster.flops(dtype) / shared
+        return cls(flops_forward / rate, flops_backward / rate)
+
+    def share(self, fraction: float) -> "Compute":
+        return Compute(self.forward * fraction, self.backward * fraction)
+
+
+def bucket_overlap(backward: float, bucket_elements: list[int], reduce_times: list[float]) -> float:
+    """Seconds after the backward until the last bucket is reduced (module docstring)."""
+    total, done, end = sum(bucket_elements) or 1, 0, 0.0
+    for elements, seconds in zip(bucket_elements, reduce_times):
+        done += elements
+        end = max(backward * done / total, end) + seconds
+    return max(0.0, end - backward)
+
+
+def prefetch_schedule(compute: list[float], gathers: list[float], after: list[float] | None = None) -> float:
+    """End time of units computed in order, each after its gather; the queue gathers unit i+1
+    once unit i's gather is done and unit i−1's compute has freed its memory (one prefetched),
+    and runs `after[i]` (a reduce-scatter) once unit i's compute is done."""
+    queue = done = 0.0
+    finished: list[float] = []
+    for i, (work, gather) in enumerate(zip(compute, gathers)):
+        start = max(queue, finished[i - 2] if i >= 2 else 0.0)
+        queue = start + gather
+        done = max(done, queue) + work
+        finished.append(done)
+        if after is not None and i >= 1:  # the previous unit's gradients, once it is done
+            queue = max(queue, finished[i - 1]) + after[i - 1]
+    if after is not None and after:
+        queue = max(queue, done) + after[-1]
+    return max(done, queue)
+
+
+def data_parallel(compute: Compute, bucket_bytes: list[int], bucket_elements: list[int], group: Group,
+                  cluster: Cluster, *, hierarchical: bool = False) -> StepTime:
+    """ddp (and hierarchical): every bucket all-reduced during the backward."""
+    reduce = comm_model.hierarchical_all_reduce if hierarchical and group.nodes > 1 else comm_model.all_reduce
+    times = [reduce(b, group, cluster) if group.ranks > 1 else 0.0 for b in bucket_bytes]
+    exposed = bucket_overlap(compute.backward, bucket_elements, times)
+    return StepTime(compute.forward + compute.backward, exposed, comm=sum(times))
+
+
+def zero12(compute: Compute, bucket_bytes: list[int], bucket_elements: list[int], param_bucket_bytes: list[int],
+           group: Group, cluster: Cluster, *, scatter: bool) -> StepTime:
+    """zero1/zero2: buckets reduced to their owners in the backward (a reduce-scatter, or an
+    all-reduce keeping a slice: collectives.OwnerCollectives), slices gathered back after the step."""
+    if group.ranks == 1:
+        return StepTime(compute.forward + compute.backward, 0.0)
+    reduce = comm_model.reduce_scatter if scatter else comm_model.all_reduce
+    times = [reduce(b, group, cluster) for b in bucket_bytes]
+    gather = [_gather_from_owners(b, group, cluster, all_gather=scatter) for b in param_bucket_bytes]
+    exposed = bucket_overlap(compute.backward, bucket_elements, times) + sum(gather)
+    return StepTime(compute.forward + compute.backward, exposed, comm=sum(times) + sum(gather))
+
+
+def _gather_from_owners(nbytes: float, group: Group, cluster: Cluster, *, all_gather: bool) -> float:
+    if all_gather:
+        return comm_model.all_gather(nbytes, group, cluster)
+    return group.ranks * comm_model.broadcast(nbytes / group.ranks, group, cluster)
+
+
+def zero3(compute: Compute, unit_elements: list[int], unit_bytes: list[int], grad_bytes: list[int],
+          group: Group, cluster: Cluster, *, scatter: bool, reshard_after_forward: bool = True) -> StepTime:
+    """zero3: units in forward order, the root first (module docstring)."""
+    total = sum(unit_elements) or 1
+    forward = [compute.forward * e / total for e in unit_elements]
+    backward = [compute.backward * e / total for e in reversed(unit_elements)]
+    if group.ranks == 1:
+        return StepTime(compute.forward + compute.backward, 0.0)
+    gather = [comm_model.all_gather(b, group, cluster) for b in unit_bytes]
+    reduce = comm_model.reduce_scatter if scatter else comm_model.all_reduce
+    scatter_times = [reduce(b, group, cluster) for b in reversed(grad_bytes)]
+    regather = list(reversed(gather))
+    if not reshard_after_forward:
+        regather = [0.0] * len(gather)
+    elif regather:
+        regather[-1] = 0.0  # the root (first of forward, last of backward) stays gathered: stage3.py
+    end = prefetch_schedule(forward, gather) + prefetch_schedule(backward, regather, scatter_times)
+    busy = compute.forward + compute.backward
+    comm = sum(gather) + sum(regather) + sum(scatter_times)
+    return StepTime(busy, max(0.0, end - busy), comm=comm)
+
+
+def pipeline(compute: Compute, *, stages: int, microbatches: int, cut_bytes: int, replicas_group: Group,
+             stage_bucket_bytes: list[int], stage_bucket_elements: list[int], cluster: Cluster,
+             same_node: bool = True) -> StepTime:
+    """A pipeline of `stages` stages, `microbatches` each; `compute` is one replica's batch over
+    the whole model, `cut_bytes` the activation one cut sends for that batch."""
+    slot = compute.share(1.0 / (stages * microbatches))
+    message = comm_model.send_recv(cut_bytes / microbatches, cluster, same_node=same_node) if stages > 1 else 0.0
+    per_slot = slot.forward + slot.backward + 2 * message
+    busy = microbatches * (slot.forward + slot.backward)
+    if replicas_group.ranks > 1:
+        times = [comm_model.all_reduce(b, replicas_group, cluster) for b in stage_bucket_bytes]
+        reduced = bucket_overlap(slot.backward, stage_bucket_elements, times)
+    else:
+        times, reduced = [], 0.0
+    return StepTime(busy, microbatches * 2 * message + reduced, bubble=(stages - 1) * per_slot,
+                    comm=microbatches * 2 * message + sum(times))
