@@ -93,6 +93,12 @@ class Pipeline(Strategy):
                               loss=plan.loss)
         return stage, stage_optimizer(optimizer, module) if optimizer is not None else None
 
+    def holdings(self, model: nn.Module) -> list[list[nn.Parameter]]:
+        """Each stage's parameters, as setup() cuts `model` (which may be on the meta device); a
+        weight tied across stages is in each stage holding it. Local (no collective) except for
+        balance="time", which measures on this rank and takes rank 0's costs."""
+        return self._plan(model).holdings
+
     def _plan(self, model: nn.Module) -> StagePlan:
         if uncompiled(model) is not model:
             raise ConfigError("torch.compile(model) wraps the model in one compiled module, which a pipeline "
