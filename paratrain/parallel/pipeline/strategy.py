@@ -78,6 +78,8 @@ class Pipeline(Strategy):
         if materializer is not None:  # a meta-built model: this stage's parts only (materialize.py)
             materializer.materialize([*module.parameters(), *module.buffers()])
         module = module.to(grid.topology.device)
+        mine = set(module.parameters())  # names of this stage's only: the other stages' weights are freed
+        names = {p: n for p, n in names.items() if p in mine}
         (pipe_group, _), (dp_group, _) = grid.group("pp"), grid.group("dp")
         tied_weights = TiedWeights()
         for stages in sorted(set(tied.values())):  # every rank makes every group, in order
