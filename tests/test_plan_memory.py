@@ -73,7 +73,7 @@ def _live() -> dict[int, int]:
     return _storages(_tensors())
 
 
-def _held(topo, strategy: pt.Strategy, optimizer: str) -> dict[str, int]:
+def _held(topo, strategy: pt.Strategy, optimizer: str) -> dict:
     """Bytes this rank holds after two steps, by kind."""
     torch.manual_seed(0)
     x, y = torch.randn(4, 12), torch.randn(4, 7)
@@ -93,14 +93,18 @@ def _held(topo, strategy: pt.Strategy, optimizer: str) -> dict[str, int]:
             "optimizer": _storages(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
             "via_grad": _storages(p.grad for p in params)}
     assert not set(held["params"]) & set(held["optimizer"]), "a storage counted twice"
-    out = {kind: sum(s.values()) for kind, s in held.items()}
+    out: dict = {kind: sum(s.values()) for kind, s in held.items()}
     out["rest"] = sum(n for ptr, n in live.items() if ptr not in held["params"] and ptr not in held["optimizer"])
     out["unaccounted"] = sum(n for ptr, n in {**held["params"], **held["optimizer"]}.items() if ptr not in live)
+    # for a failure's message: what is alive beyond parameters, optimizer state and .grad
+    known = {**held["params"], **held["optimizer"], **held["via_grad"]}
+    out["unexplained"] = sorted((tuple(t.shape), str(t.dtype)) for t in _tensors()
+                                if (ptr := t.untyped_storage().data_ptr()) in live and ptr not in known)
     del keep
     return out
 
 
-def _measure(topo, optimizer: str) -> dict[str, dict[str, int]]:
+def _measure(topo, optimizer: str) -> dict[str, dict]:
     return {name: _held(topo, s, optimizer) for name, s in _strategies(topo.world_size).items()}
 
 
