@@ -429,8 +429,8 @@ def test_balance_by_parameters_and_by_time():
 def _replica_launch_order(topo):
     """2 stages × 2 replicas, a bucket per parameter; this stage's log of its last micro-batch's
     backward (the one that synchronises): each bucket's all-reduce start, and a point inside it."""
+    from paratrain.parallel import buckets
     from paratrain.parallel.buckets import AllReduce
-    from paratrain.parallel.pipeline import stage as stage_file
 
     log: list[str] = []
 
@@ -439,7 +439,7 @@ def _replica_launch_order(topo):
             log.append(f"start bucket {bucket.index}")
             super().start(bucket)
 
-    stage_file.FIRST_BUCKET_BYTES, stage_file.DEFAULT_BUCKET_MB = 1, 1e-9  # this rank's process only
+    buckets.FIRST_BUCKET_BYTES, buckets.DEFAULT_BUCKET_MB = 1, 1e-9  # default_caps(), this rank's process only
     strategy = Pipeline(stages=2, schedule="1f1b", microbatches=2)
     model = chain()
     stage, _ = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy.grid(topo))

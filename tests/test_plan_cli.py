@@ -9,6 +9,7 @@ from paratrain import cli
 from paratrain.plan import calibrate as cal
 from paratrain.plan.cluster import Link, load_cluster, preset
 from paratrain.plan.comm_model import TERMS, ring_all_reduce_terms
+from paratrain.plan.memory import predict
 from paratrain.plan.model_probe import model_facts
 from paratrain.plan.model_source import resolve
 
@@ -52,7 +53,8 @@ def test_the_model_facts_print_and_the_json_follows_the_schema(capsys):
     got = json.loads(out)
     facts = model_facts(resolve("models:MLP"), 4, activation_checkpointing=None)
     assert got["schema"] == "paratrain.plan/0" and got["calibrated"] is None
-    assert set(got) == {"schema", "model", "cluster", "compute_seconds", "calibrated"}
+    assert set(got) == {"schema", "model", "cluster", "compute_seconds", "calibrated", "strategies"}
+    assert got["strategies"] is None  # no --gpus
     model = got["model"]
     assert model["params"] == facts.params == 1721 and model["tokens"] == 4 and model["seq"] is None
     assert model["step"]["flops_forward"] == facts.step.flops_forward
@@ -63,6 +65,32 @@ def test_the_model_facts_print_and_the_json_follows_the_schema(capsys):
     rate = preset("a100-8x").flops("fp32")
     assert got["compute_seconds"]["step"] == pytest.approx(
         (facts.step.flops_forward + facts.step.flops_backward) / rate)
+
+
+def test_gpus_adds_each_strategys_memory_per_rank(capsys):
+    """The rows are memory.predict's for each strategy's defaults on the meta-built model, the
+    batch's activations split over the ranks; a strategy that cannot run the model says why."""
+    import paratrain as pt
+
+    code, out, _ = run(capsys, "models:MLP", "--batch", "8", "--gpus", "2", "--optimizer", "sgd-momentum", "--json")
+    got = json.loads(out)
+    assert code == 0
+    rows = {row["strategy"]: row for row in got["strategies"]}
+    assert list(rows) == ["ddp", "hierarchical", "zero1", "zero2", "zero3", "pipeline"]
+    assert "cuts an nn.Sequential" in rows["pipeline"]["error"]  # an MLP module is no Sequential
+    activations = got["model"]["step"]["activation_bytes"]
+    for name, strategy in (("ddp", pt.DDP()), ("zero3", pt.ZeRO(stage=3))):
+        want = predict(resolve("models:MLP").build(), strategy, world=2, optimizer="sgd-momentum",
+                       activation_bytes=activations)[0]
+        assert (rows[name]["params"], rows[name]["grads"], rows[name]["optimizer"]) == \
+            (want.params, want.grads, want.optimizer)
+        assert rows[name]["activations"] == activations // 2 and rows[name]["device_peak"] == want.device_peak
+    assert rows["zero3"]["params"] < rows["ddp"]["params"]
+
+    code, out, _ = run(capsys, "models:MLP", "--gpus", "1")
+    assert code == 0 and "memory per rank on 1 device(s), adam" in out
+    assert [line.split()[0] for line in out.splitlines()[-6:]] == \
+        ["single", "ddp", "hierarchical", "zero1", "zero2", "zero3"]  # no pipeline of one stage
 
 
 def test_a_transformers_preset_with_checkpointing(capsys):
@@ -78,6 +106,7 @@ def test_a_transformers_preset_with_checkpointing(capsys):
     (["models:MLP", "--cluster", "dgx-9000"], "no cluster preset or file 'dgx-9000': choose one of cpu-here, h100-8x, a100-8x"),
     (["plan_test_missing_module:build"], "cannot import plan_test_missing_module"),
     (["models:MLP", "--batch", "0"], "batch and seq must be at least 1"),
+    (["models:MLP", "--gpus", "0"], "--gpus must be at least 1; got 0"),
     ([], "name a MODEL to plan, or --calibrate OUT.json"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(capsys, argv, says):

@@ -45,6 +45,11 @@ DEFAULT_BUCKET_MB = 25
 UNLIMITED = [sys.maxsize]
 
 
+def default_caps() -> list[int]:
+    """torch's default bucket caps in bytes: a small first bucket, so its reduction starts early."""
+    return [FIRST_BUCKET_BYTES, DEFAULT_BUCKET_MB * 2**20]
+
+
 @dataclass
 class Bucket:
     """A flat buffer holding the gradients of `params`, back to back."""
@@ -123,6 +128,16 @@ def assign(params: list[nn.Parameter], caps_bytes: list[int],
     return closed + [members for members, _ in open_.values()]
 
 
+def padded_numel(numel: int, multiple: int) -> int:
+    """`numel` rounded up to a multiple of `multiple` (a buffer that cuts into equal slices)."""
+    return -(-numel // multiple) * multiple
+
+
+def buffer_numel(members: list[nn.Parameter], pad_to: int) -> int:
+    """Elements of the flat buffer that holds `members` back to back, zero-padded to `pad_to`."""
+    return padded_numel(sum(p.numel() for p in members), pad_to)
+
+
 def first_layout(params: list[nn.Parameter], caps_bytes: list[int],
                  key: Callable[[nn.Parameter], Any] | None = None) -> list[list[nn.Parameter]]:
     """The layout before any backward: registration order, buckets reversed (module doc)."""
@@ -150,9 +165,7 @@ class GradBuckets:
         buckets = []
         for index, members in enumerate(layout):
             offsets = [sum(p.numel() for p in members[:i]) for i in range(len(members))]
-            total = offsets[-1] + members[-1].numel()
-            total = -(-total // reduction.pad_to) * reduction.pad_to
-            buffer = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
+            buffer = torch.zeros(buffer_numel(members, reduction.pad_to), dtype=members[0].dtype, device=members[0].device)
             buckets.append(Bucket(index, members, buffer, offsets, last=index == len(layout) - 1))
         grad_buckets = cls(buckets, reduction, scale)
         for bucket in buckets:

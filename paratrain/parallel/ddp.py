@@ -37,7 +37,7 @@ from paratrain.errors import ConfigError, UsageError
 from paratrain.grid import ProcessGrid
 from paratrain.materialize import MetaInit, whole
 from paratrain.parallel.base import ParallelModule, Strategy, owned
-from paratrain.parallel.buckets import DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, AllReduce, Reduction
+from paratrain.parallel.buckets import AllReduce, Reduction, default_caps
 from paratrain.parallel.comm_hooks import CommHookReduction, check_comm_hook
 from paratrain.parallel.ddp_join import DDPJoinHook, training_rank_collectives
 from paratrain.parallel.grad_sync import GradSync
@@ -98,7 +98,7 @@ class DistributedDataParallel(ParallelModule, Joinable):
                 broadcast_coalesced(self.modules_buffers, self.process_group)
         self._grad_sync = GradSync(self._params, {p: n for n, p in module.named_parameters()},
                                    self.process_group, reduction=reduction or AllReduce(self.process_group),
-                                   caps=_caps(bucket_cap_mb, bucket_cap_mb_list),
+                                   caps=bucket_caps(bucket_cap_mb, bucket_cap_mb_list),
                                    find_unused=find_unused_parameters)
 
     @property
@@ -226,13 +226,13 @@ def _refuse_unsupported(**given) -> None:
                               "or use ZeRO stage 3's param_dtype)")
 
 
-def _caps(bucket_cap_mb: float | None, bucket_cap_mb_list: list[float] | None) -> list[int]:
+def bucket_caps(bucket_cap_mb: float | None, bucket_cap_mb_list: list[float] | None) -> list[int]:
     """Bucket caps in bytes, as torch's `BucketCapacityConfig`: a given cap applies to every
     bucket; only the default has a small (1 MiB) first bucket, so its all-reduce starts early."""
     if bucket_cap_mb_list:
         return [int(mb * 2**20) for mb in bucket_cap_mb_list]
     if bucket_cap_mb is None:
-        return [FIRST_BUCKET_BYTES, DEFAULT_BUCKET_MB * 2**20]
+        return default_caps()
     return [int(bucket_cap_mb * 2**20)]
 
 

@@ -36,6 +36,18 @@ from paratrain.errors import UsageError
 from paratrain.parallel.buckets import UNLIMITED, GradBuckets, Reduction, assign, first_layout
 
 
+def rebuilds(reduction: Reduction, find_unused: bool) -> bool:
+    """Whether the buckets are laid out again in arrival order after the first synchronised
+    backward (as torch: a varying graph keeps its layout; ZeRO's parameters live in it)."""
+    return reduction.rebuild and not find_unused
+
+
+def first_grad_layout(params: list[nn.Parameter], caps: list[int], reduction: Reduction,
+                      find_unused: bool) -> list[list[nn.Parameter]]:
+    """The buckets before any backward: one per kind when they will be rebuilt, else capped."""
+    return first_layout(params, UNLIMITED if rebuilds(reduction, find_unused) else caps, reduction.key)
+
+
 class GradSync:
     """Bucketed, overlapped averaging of `params`' gradients over `group` (module docstring).
 
@@ -53,9 +65,9 @@ class GradSync:
         self.reduction, self.caps, self.find_unused = reduction, caps, find_unused
         self.finish_in_backward = finish_in_backward
         self.world = dist.get_world_size(group)
-        self._rebuild = reduction.rebuild and not find_unused  # as torch: a varying graph keeps its layout
-        first_caps = UNLIMITED if self._rebuild else caps
-        self.buckets = GradBuckets.build(first_layout(params, first_caps, reduction.key), reduction, self._scale())
+        self._rebuild = rebuilds(reduction, find_unused)
+        self.buckets = GradBuckets.build(first_grad_layout(params, caps, reduction, find_unused), reduction,
+                                         self._scale())
         self._order: list[nn.Parameter] | None = None  # arrival order of the first synchronised backward
         self._sync = False
         self._in_backward = False

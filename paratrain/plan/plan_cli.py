@@ -1,11 +1,12 @@
 """`paratrain plan MODEL`: what one training step of MODEL costs (model_probe.py), and
 `paratrain plan --calibrate OUT.json`: measure this machine into a cluster file (calibrate.py).
 
-    paratrain plan gpt2-xl --batch 8 --seq 1024 --precision bf16 [--cluster h100-8x] [--json]
+    paratrain plan gpt2-xl --batch 8 --seq 1024 --precision bf16 [--cluster h100-8x] [--gpus 8] [--json]
     paratrain plan mypackage.models:build --batch 32
     paratrain plan --calibrate cpu.json
 
-For now it prints the model's facts; the per-strategy memory and time tables come next (issue 12).
+It prints the model's facts and, with `--gpus N`, each strategy's memory per rank on N devices
+(memory_table.py, memory.py; `--batch` is the global batch); the time table comes next (issue 12).
 Bad input (an unknown model, preset or file, a factory that raises) is one line on stderr and
 exit status 2, as everywhere in the CLI.
 
@@ -29,6 +30,15 @@ exit status 2, as everywhere in the CLI.
                       one device at the cluster's achievable rate for the precision (no
                       communication, no overlap: a lower bound)
     calibrated        the file --calibrate wrote, or null
+    strategies        null without --gpus; else one row per strategy (its default settings, the
+                      --optimizer's state, --batch split over the ranks), for its fullest rank:
+      strategy, rank  the strategy's name; the rank whose device_peak is largest
+      params, grads, optimizer   exact bytes at rest (after a step, before zero_grad)
+      comm_buffers, gathered     upper bounds of what backward / ZeRO-3's gathers add
+      activations                approximate: the step's activation_bytes, this rank's share
+      host                       of params + grads + optimizer: in CPU memory (offload)
+      at_rest, device_peak       params + grads + optimizer; on the device at the peak
+      or strategy, error        a strategy that cannot run the model on N ranks, and why
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ from paratrain.errors import ConfigError
 from paratrain.plan.calibrate import Settings, calibrate
 from paratrain.plan.cluster import PRESETS as CLUSTERS
 from paratrain.plan.cluster import Cluster, load_cluster, save_cluster
+from paratrain.plan.memory import OPTIMIZERS
+from paratrain.plan.memory_table import describe_memory, memory_rows
 from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts
 from paratrain.plan.model_source import PRESETS as MODELS
 from paratrain.plan.model_source import resolve
@@ -68,6 +80,9 @@ def add_plan_parser(commands) -> None:
                       help=f"a cluster ({', '.join(CLUSTERS)}, or a JSON file) to time the compute on")
     plan.add_argument("--exact", action="store_true",
                       help="run every block, not the first one and two of a stack of identical ones")
+    plan.add_argument("--gpus", type=int, metavar="N", help="also predict each strategy's memory per rank on N devices")
+    plan.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam",
+                      help="whose state the memory table counts (default: adam)")
     plan.add_argument("--json", action="store_true", help="one JSON object (schema: paratrain/plan/plan_cli.py)")
     plan.add_argument("--calibrate", metavar="OUT.json", help="measure this machine and write a cluster file")
     plan.add_argument("--quick", action="store_true", help="with --calibrate: fewer, smaller measurements")
@@ -76,6 +91,8 @@ def add_plan_parser(commands) -> None:
 def plan(args: argparse.Namespace) -> None:
     if not args.model and not args.calibrate:
         raise ConfigError("name a MODEL to plan, or --calibrate OUT.json to measure this machine")
+    if args.gpus is not None and args.gpus < 1:
+        raise ConfigError(f"--gpus must be at least 1; got {args.gpus}")
     calibrated = None
     if args.calibrate:
         calibrated = calibrate(QUICK if args.quick else Settings(), name=Path(args.calibrate).stem)
@@ -86,8 +103,9 @@ def plan(args: argparse.Namespace) -> None:
         which = None if args.activation_checkpointing == "none" else "auto"
         facts = model_facts(resolve(args.model), args.batch, args.seq, precision=args.precision,
                             activation_checkpointing=which, exact=args.exact)
+    rows = _memory(args, facts, cluster) if args.gpus is not None and facts is not None else None
     if args.json:
-        print(json.dumps(to_json(facts, cluster, args.calibrate), indent=2))
+        print(json.dumps({**to_json(facts, cluster, args.calibrate), "strategies": rows}, indent=2))
         return
     if calibrated is not None:
         print(describe_cluster(calibrated, f"wrote {args.calibrate}, cluster"))
@@ -95,6 +113,16 @@ def plan(args: argparse.Namespace) -> None:
         print(describe_cluster(cluster, "cluster"))
     if facts is not None:
         print(describe_facts(facts, cluster))
+    if rows is not None:
+        print(describe_memory(rows, gpus=args.gpus, optimizer=args.optimizer, size=_bytes))
+
+
+def _memory(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None) -> list[dict]:
+    """The memory table's rows: the model built again on the meta device, the step's activations
+    (without checkpointing) split over the ranks, nodes of the cluster's size."""
+    return memory_rows(resolve(args.model), gpus=args.gpus, optimizer=args.optimizer,
+                       gpus_per_node=cluster.gpus_per_node if cluster else None,
+                       activation_bytes=facts.step.activation_bytes)
 
 
 def to_json(facts: ModelFacts | None, cluster: Cluster | None, calibrated: str | None) -> dict:

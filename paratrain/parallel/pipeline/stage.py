@@ -39,7 +39,7 @@ from paratrain import comm
 from paratrain.errors import ConfigError, UsageError
 from paratrain.optim import clip_grad_norm_over
 from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule, check_loss, user_key
-from paratrain.parallel.buckets import DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, AllReduce
+from paratrain.parallel.buckets import AllReduce, default_caps
 from paratrain.parallel.grad_sync import GradSync
 from paratrain.parallel.pipeline.microbatches import chunks, shape_key
 from paratrain.parallel.pipeline.p2p import StageLinks, broadcast_output, floating
@@ -210,7 +210,7 @@ class PipelineStage(ParallelModule):
         params = [p for p in self.module.parameters() if p.requires_grad]
         names = {p: n for n, p in self.module.named_parameters()}
         return GradSync(params, names, self.dp_group, reduction=AllReduce(self.dp_group),
-                        caps=[FIRST_BUCKET_BYTES, DEFAULT_BUCKET_MB * 2**20], find_unused=True,
+                        caps=default_caps(), find_unused=True,
                         finish_in_backward=False)
 
     # -- the protocol (parallel/base.py) ---------------------------------------------------------

@@ -78,6 +78,8 @@ class Pipeline(Strategy):
         if materializer is not None:  # a meta-built model: this stage's parts only (materialize.py)
             materializer.materialize([*module.parameters(), *module.buffers()])
         module = module.to(grid.topology.device)
+        mine = set(module.parameters())  # names of this stage's only: the other stages' weights are freed
+        names = {p: n for p, n in names.items() if p in mine}
         (pipe_group, _), (dp_group, _) = grid.group("pp"), grid.group("dp")
         tied_weights = TiedWeights()
         for stages in sorted(set(tied.values())):  # every rank makes every group, in order
@@ -92,6 +94,12 @@ class Pipeline(Strategy):
                               device=grid.topology.device, run=run, tied=tied_weights, names=names,
                               loss=plan.loss)
         return stage, stage_optimizer(optimizer, module) if optimizer is not None else None
+
+    def holdings(self, model: nn.Module) -> list[list[nn.Parameter]]:
+        """Each stage's parameters, as setup() cuts `model` (which may be on the meta device); a
+        weight tied across stages is in each stage holding it. Local (no collective) except for
+        balance="time", which measures on this rank and takes rank 0's costs."""
+        return self._plan(model).holdings
 
     def _plan(self, model: nn.Module) -> StagePlan:
         if uncompiled(model) is not model:

@@ -40,6 +40,7 @@ from torch import nn
 
 from paratrain.comm import all_gather_single
 from paratrain.parallel.base import FlatLayout
+from paratrain.parallel.buckets import padded_numel
 from paratrain.parallel.zero.collectives import ReducedSums, add_into, gather_from_owners, reduce_to_owners
 
 
@@ -67,7 +68,7 @@ class FlatShard:
         self.slots, self.group, self.rank, self.world = slots, group, rank, world
         self.all_gather = all_gather
         self.numel = sum(s.shape.numel() for s in slots)
-        self.padded = -(-self.numel // world) * world
+        self.padded = padded_numel(self.numel, world)
         device = values[0].device
         home = torch.device("cpu") if offload else device
         pin = offload and device.type == "cuda"  # page-locked: faster host-device copies

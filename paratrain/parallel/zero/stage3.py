@@ -40,7 +40,7 @@ from paratrain.precision import cast_floating
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, uncompiled, user_key
 from paratrain.parallel.zero.collectives import OwnerCollectives, reduced_sums_for
 from paratrain.parallel.zero.flat_shard import FlatShard
-from paratrain.parallel.zero.units import TrainingState, Unit, flatten, innermost_unit, owners_by_param
+from paratrain.parallel.zero.units import TrainingState, Unit, flatten, flats_of, owners_by_param, params_by_unit
 from paratrain.parallel.zero.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
 
 
@@ -95,20 +95,16 @@ class FullyShardedDataParallel(ParallelModule):
 
     def _build_units(self, names: list[str], group_of, flat_options: dict) -> list[Unit]:
         owners = owners_by_param(self.module)
-        by_unit: dict[str, list[nn.Parameter]] = {name: [] for name in names + [""]}
-        for p, places in owners.items():
-            by_unit[innermost_unit([n for n, _, _ in places], names)].append(p)
         units = []
-        for name in names + [""]:
+        for name, params in params_by_unit(owners, names).items():
             module = self.module.get_submodule(name) if name else self.module
             if self._materializer is not None:  # the unit's parameters and buffers under it; at the root, the rest
-                self._materializer.materialize(by_unit[name] + list(module.buffers()) if name else None, self._device)
+                self._materializer.materialize(params + list(module.buffers()) if name else None, self._device)
             flats = []
-            for group in sorted({group_of[p] for p in by_unit[name]}):
-                params = [p for p in by_unit[name] if group_of[p] == group]
-                flats.append(flatten(params, owners, group=self.process_group, rank=self.rank, world=self.world,
+            for members in flats_of(params, group_of):
+                flats.append(flatten(members, owners, group=self.process_group, rank=self.rank, world=self.world,
                                      **flat_options))
-                self.shard_groups.append(group)
+                self.shard_groups.append(group_of[members[0]])
             units.append(Unit(name, module, flats))
         return units
 

@@ -37,6 +37,21 @@ def innermost_unit(param_names: list[str], units: list[str]) -> str:
     return max(inside, key=len, default="")
 
 
+def params_by_unit(owners, units: list[str]) -> dict[str, list[nn.Parameter]]:
+    """Each unit's parameters (`owners`: owners_by_param's), for `units` then the root ("", last):
+    a parameter belongs to the innermost unit holding every name it has (tied weights)."""
+    by_unit: dict[str, list[nn.Parameter]] = {name: [] for name in units + [""]}
+    for p, places in owners.items():
+        by_unit[innermost_unit([n for n, _, _ in places], units)].append(p)
+    return by_unit
+
+
+def flats_of(params: list[nn.Parameter], group_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
+    """One unit's parameters as its flat shards hold them: one list per optimizer param group, in
+    group order."""
+    return [[p for p in params if group_of[p] == group] for group in sorted({group_of[p] for p in params})]
+
+
 def flatten(params: list[nn.Parameter], owners, **flat_options) -> FlatShard:
     """One FlatShard of `params` (`owners`: owners_by_param's); the modules' attributes become its
     leaves, and the original parameters are released."""

@@ -1,0 +1,272 @@
+"""Bytes each rank holds under each strategy, predicted from the strategies' own layout code.
+
+The model may be on the meta device: only shapes, dtypes and the module tree are read, and the
+layouts are computed on meta stand-ins, so nothing is allocated. Each figure and where it comes
+from (the functions named are the ones the strategies themselves call):
+
+- params, grads, optimizer: EXACT at rest, i.e. after `optimizer.step()` from the second step on
+  (the buckets of DDP are laid out again after the first backward), before `zero_grad()`, with
+  the finite check's sum taken (Session's step takes it). tests/test_plan_memory.py checks them
+  against the live tensors of real runs at world 2, 3 and 4.
+    single, ddp, hierarchical, pipeline: every parameter; gradients in DDP's buckets
+        (buckets.assign / first_layout via grad_sync.first_grad_layout, buckets.buffer_numel:
+        padded to 1, or to the node's size for hierarchical); pipeline stages from
+        Pipeline.holdings (partition.py / plan.py), a rank holding stage rank % stages.
+    zero1 / zero2: the same buckets, padded to N (OwnerReduction.pad_to), in param_dtype; the
+        parameters live in flat buffers of that layout; the optimizer steps slice r of each
+        (stage12.py): a view, or fp32 master copies under param_dtype / offload, with fp32
+        gradients of their own. Stage 1 keeps the full gradient buckets; stage 2 keeps slice r.
+    zero3: units from WrapPolicy.select, parameters by units.params_by_unit / flats_of, one flat
+        shard per unit and param group of padded_numel(numel, N) / N elements (flat_shard.py),
+        its gradient the same size; frozen parameters stay whole.
+    The optimizer keeps `OptimizerState.per_element` tensors the size of each tensor it steps,
+    in its dtype, plus `scalar_bytes` per tensor (Adam's `step`).
+  A caveat for hierarchical only: its buckets are laid out again in the order gradients arrived,
+  assumed here to be the reverse of registration (`arrival` overrides it); another order may move
+  bucket boundaries, and so the padding, by under L elements per bucket.
+- comm_buffers: UPPER BOUND of transient storage during backward, beyond the at-rest figures:
+  zero2's two largest full gradient buckets (one filling, one reducing); zero3's largest full
+  flat gradient (one at a time, stage3.py); hierarchical's phase-1 chunks, every bucket's at
+  once. Zero for ddp, zero1 and pipeline, whose buckets are the gradients. p2p receive buffers
+  of a pipeline are activations, not counted here.
+- gathered: zero3 only, UPPER BOUND: the root unit's full parameters plus the two largest other
+  units (the running one and the prefetched one; one without prefetch), in param_dtype.
+- activations: APPROXIMATE: `activation_bytes` (model_probe's saved-for-backward figure for the
+  global batch) times this rank's share of the batch, 1/N; for a pipeline stage, of its replica's
+  batch, spread evenly over the stages, times the micro-batches in flight (GPipe m, 1F1B
+  min(m, S - s)) over m.
+- host: how much of params + grads + optimizer is in CPU memory (ZeRO's offload).
+
+Not counted: buffers (BatchNorm statistics; whole on every rank: ModelFacts.buffer_bytes), the
+batch, the allocator's fragmentation and the framework's own workspace (CUDA context, kernels'
+scratch), which a real device adds on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paratrain.errors import ConfigError
+from paratrain.grid import NodeGroups
+from paratrain.parallel.base import Strategy
+from paratrain.parallel.buckets import AllReduce, Reduction, assign, buffer_numel, default_caps, padded_numel
+from paratrain.parallel.ddp import DDP, bucket_caps
+from paratrain.parallel.grad_sync import first_grad_layout, rebuilds
+from paratrain.parallel.hierarchical import Hierarchical, HierarchicalReduction
+from paratrain.parallel.pipeline import Pipeline
+from paratrain.parallel.single import Single
+from paratrain.parallel.zero import ZeRO
+from paratrain.parallel.zero.owner_reduction import OwnerReduction
+from paratrain.parallel.zero.units import flats_of, owners_by_param, params_by_unit
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """What an element-wise optimizer keeps for each tensor it steps."""
+
+    name: str
+    per_element: int  # state tensors the size of the stepped tensor, in its dtype (Adam: 2 moments)
+    scalar_bytes: int = 0  # per stepped tensor (Adam's `step`: a 0-dim float32 tensor)
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> "OptimizerState":
+        """The state of a torch optimizer, by its class and first param group's settings."""
+        group = optimizer.param_groups[0]
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            return cls(type(optimizer).__name__.lower(), 3 if group.get("amsgrad") else 2, 4)
+        if isinstance(optimizer, torch.optim.SGD):
+            return OPTIMIZERS["sgd-momentum" if group.get("momentum") else "sgd"]
+        raise ConfigError(f"the planner knows the state of Adam, AdamW and SGD; got {type(optimizer).__name__}")
+
+    def bytes(self, stepped: list[tuple[int, torch.dtype]]) -> int:
+        """For the tensors it steps, given as (elements, dtype)."""
+        return sum(self.per_element * n * dtype.itemsize + self.scalar_bytes for n, dtype in stepped)
+
+
+OPTIMIZERS = {"adam": OptimizerState("adam", 2, 4), "adamw": OptimizerState("adamw", 2, 4),
+              "sgd": OptimizerState("sgd", 0), "sgd-momentum": OptimizerState("sgd-momentum", 1)}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds (module docstring: which figures are exact)."""
+
+    params: int  # the parameters the model computes with, and master copies the optimizer steps
+    grads: int  # their gradients, with the buckets / flat buffers they live in, padding included
+    optimizer: int  # the optimizer's state
+    comm_buffers: int = 0  # transient during backward, upper bound
+    gathered: int = 0  # zero3: full units gathered at once, upper bound
+    activations: int = 0  # saved for backward, approximate
+    host: int = 0  # of params + grads + optimizer: in CPU memory (offload)
+
+    @property
+    def at_rest(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def device_peak(self) -> int:
+        """On the device at the peak of a step: everything but what lives in CPU memory."""
+        return self.at_rest - self.host + self.comm_buffers + self.gathered + self.activations
+
+
+def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: OptimizerState | str = "adam",
+            local_world: int | None = None, activation_bytes: int = 0,
+            group_of: dict[nn.Parameter, int] | None = None,
+            arrival: list[nn.Parameter] | None = None) -> list[RankMemory]:
+    """Rank r's bytes at index r, for `model` trained by `strategy` on `world` ranks.
+
+    optimizer: an OptimizerState or a name in OPTIMIZERS.
+    local_world: ranks per node (hierarchical; default: one node).
+    activation_bytes: saved for backward by one forward of the global batch (model_probe).
+    group_of: each trainable parameter's optimizer param group (default: all in one).
+    arrival: the order gradients arrive in backward (default: reverse registration).
+    """
+    if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
+        raise ConfigError(f"the planner knows the optimizers {', '.join(OPTIMIZERS)}; got {optimizer!r}")
+    state = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+    if world < 1:
+        raise ConfigError(f"world must be at least 1; got {world}")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    facts = _Model(model, trainable, group_of or {p: 0 for p in trainable}, state, world, activation_bytes)
+    if isinstance(strategy, Pipeline):
+        return _pipeline(facts, strategy)
+    if isinstance(strategy, ZeRO):
+        if strategy.stage not in (1, 2, 3):
+            raise ConfigError(f"ZeRO has stages 1, 2 and 3; got stage={strategy.stage!r}")
+        one = _zero12(facts, strategy) if strategy.stage in (1, 2) else _zero3(facts, strategy)
+    elif isinstance(strategy, DDP):  # Hierarchical too
+        one = _data_parallel(facts, strategy, local_world or world, arrival)
+    elif isinstance(strategy, Single):
+        if world != 1:
+            raise ConfigError(f"strategy 'single' runs one process; got world {world}")
+        one = _plain(state, list(model.parameters()), activation_bytes)
+    else:
+        raise ConfigError(f"no memory model for strategy {strategy.name!r}")
+    return [one] * world
+
+
+@dataclass(frozen=True)
+class _Model:
+    module: nn.Module
+    trainable: list[nn.Parameter]
+    group_of: dict[nn.Parameter, int]
+    state: OptimizerState
+    world: int
+    activation_bytes: int
+
+    @property
+    def frozen_bytes(self) -> int:
+        return sum(_bytes(p) for p in self.module.parameters() if not p.requires_grad)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.dtype.itemsize
+
+
+def _plain(state: OptimizerState, params: list[nn.Parameter], activations: int) -> RankMemory:
+    """One process: every parameter, a gradient each, the optimizer's state on each trainable one."""
+    trainable = [p for p in params if p.requires_grad]
+    return RankMemory(params=sum(_bytes(p) for p in params), grads=sum(_bytes(p) for p in trainable),
+                      optimizer=state.bytes([(p.numel(), p.dtype) for p in trainable]), activations=activations)
+
+
+def _bucket_layout(params: list[nn.Parameter], caps: list[int], reduction: Reduction, find_unused: bool,
+                   arrival: list[nn.Parameter] | None) -> list[list[nn.Parameter]]:
+    """The buckets the gradients live in at rest: rebuilt in arrival order (grad_sync.py), or the
+    first layout when they never are."""
+    if rebuilds(reduction, find_unused):
+        return assign(arrival if arrival is not None else params[::-1], caps, reduction.key)
+    return first_grad_layout(params, caps, reduction, find_unused)
+
+
+def _data_parallel(m: _Model, strategy: DDP, local_world: int, arrival) -> RankMemory:
+    """DDP and hierarchical: whole parameters and optimizer; gradients are bucket views."""
+    if isinstance(strategy, Hierarchical):
+        if m.world % local_world:
+            raise ConfigError(f"hierarchical needs whole nodes: world {m.world}, {local_world} per node")
+        reduction: Reduction = HierarchicalReduction(NodeGroups(None, None, tuple(range(local_world)), ()))
+    else:
+        reduction = AllReduce()
+    layout = _bucket_layout(m.trainable, bucket_caps(strategy.bucket_cap_mb, None), reduction,
+                            strategy.find_unused_parameters, arrival)
+    sizes = [buffer_numel(b, reduction.pad_to) * b[0].dtype.itemsize for b in layout]
+    plain = _plain(m.state, list(m.module.parameters()), 0)
+    chunks = sum(s // reduction.pad_to for s in sizes) if isinstance(strategy, Hierarchical) else 0
+    return RankMemory(params=plain.params, grads=sum(sizes), optimizer=plain.optimizer, comm_buffers=chunks,
+                      activations=m.activation_bytes // m.world)
+
+
+def _meta_like(params: list[nn.Parameter], dtype: torch.dtype | None) -> dict[nn.Parameter, nn.Parameter]:
+    """Stand-ins of `params` on the meta device, cast to `dtype` as ZeRO casts them before laying
+    out its buckets (the caps are in bytes, so the layout depends on the dtype)."""
+    return {p: nn.Parameter(torch.empty(p.shape, dtype=dtype or p.dtype, device="meta")) for p in params}
+
+
+def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
+    """Stages 1 and 2 (stage12.py, [Note: master shards])."""
+    stand = _meta_like(m.trainable, strategy.param_dtype)
+    original = {s: p for p, s in stand.items()}
+    reduction = OwnerReduction(group=None, rank=0, world=m.world,
+                               group_of={s: m.group_of[p] for p, s in stand.items()})
+    layout = first_grad_layout(list(stand.values()), bucket_caps(strategy.bucket_cap_mb, None), reduction,
+                               find_unused=False)
+    flats = [(buffer_numel(b, reduction.pad_to), b[0].dtype, original[b[0]].dtype) for b in layout]
+    compute = sum(n * dt.itemsize for n, dt, _ in flats)
+    masters = strategy.param_dtype is not None or strategy.offload
+    stepped = sum(n // m.world * (mt if masters else dt).itemsize for n, dt, mt in flats)
+    master_bytes = stepped if masters else 0
+    slices = sum(n // m.world * dt.itemsize for n, dt, _ in flats)
+    grads = (compute if strategy.stage == 1 else slices) + master_bytes
+    optimizer = m.state.bytes([(n // m.world, mt if masters else dt) for n, dt, mt in flats])
+    largest = sorted((n * dt.itemsize for n, dt, _ in flats), reverse=True)[:2]
+    return RankMemory(params=m.frozen_bytes + compute + master_bytes, grads=grads, optimizer=optimizer,
+                      comm_buffers=sum(largest) if strategy.stage == 2 else 0,
+                      activations=m.activation_bytes // m.world,
+                      host=2 * master_bytes + optimizer if strategy.offload else 0)
+
+
+def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
+    """Stage 3 (stage3.py, flat_shard.py): one flat shard per unit and param group."""
+    owners = owners_by_param(m.module)
+    units = params_by_unit(owners, strategy.wrap_policy.select(m.module))
+    full: dict[str, list[int]] = {}  # unit → its flats' full bytes
+    shards: list[tuple[int, torch.dtype]] = []  # each flat's shard: (elements, dtype)
+    for name, params in units.items():
+        for members in flats_of(params, m.group_of):
+            padded = padded_numel(sum(p.numel() for p in members), m.world)
+            shards.append((padded // m.world, members[0].dtype))
+            full.setdefault(name, []).append(padded * (strategy.param_dtype or members[0].dtype).itemsize)
+    shard_bytes = sum(n * dtype.itemsize for n, dtype in shards)
+    optimizer = m.state.bytes(shards)
+    others = sorted((sum(b) for u, b in full.items() if u), reverse=True)[:2 if strategy.prefetch else 1]
+    return RankMemory(params=m.frozen_bytes + shard_bytes, grads=shard_bytes, optimizer=optimizer,
+                      comm_buffers=max((b for bs in full.values() for b in bs), default=0),
+                      gathered=sum(full.get("", [])) + sum(others),
+                      activations=m.activation_bytes // m.world,
+                      host=2 * shard_bytes + optimizer if strategy.offload else 0)
+
+
+def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
+    """Each stage's parameters whole (Pipeline.holdings); replicas of a stage average their
+    gradients in DDP's buckets, which are the gradients (padded to 1)."""
+    if m.world % strategy.stages:
+        raise ConfigError(f"pipeline stages={strategy.stages} must divide the world size {m.world}")
+    if strategy.balance == "time":
+        raise ConfigError("balance='time' measures the layers on a device; plan with 'layers' or 'params'")
+    replicas = m.world // strategy.stages
+    stages = []
+    for s, held in enumerate(strategy.holdings(m.module)):
+        params = list({id(p): p for p in held}.values())
+        trainable = [p for p in params if p.requires_grad]
+        layout = first_grad_layout(trainable, default_caps(), AllReduce(), find_unused=True)
+        grads = sum(buffer_numel(b, 1) * b[0].dtype.itemsize for b in layout)
+        micro = strategy.microbatches
+        in_flight = micro if strategy.schedule == "gpipe" else min(micro, strategy.stages - s)
+        activations = m.activation_bytes * in_flight // (replicas * strategy.stages * micro)
+        plain = _plain(m.state, params, activations)
+        stages.append(RankMemory(params=plain.params, grads=grads, optimizer=plain.optimizer,
+                                 activations=activations))
+    return [stages[r % strategy.stages] for r in range(m.world)]
