@@ -53,8 +53,9 @@ def test_the_model_facts_print_and_the_json_follows_the_schema(capsys):
     got = json.loads(out)
     facts = model_facts(resolve("models:MLP"), 4, activation_checkpointing=None)
     assert got["schema"] == "paratrain.plan/0" and got["calibrated"] is None
-    assert set(got) == {"schema", "model", "cluster", "compute_seconds", "calibrated", "strategies"}
-    assert got["strategies"] is None  # no --gpus
+    assert set(got) == {"schema", "model", "cluster", "compute_seconds", "calibrated", "strategies",
+                        "recommended", "fit_advice"}
+    assert got["strategies"] is None and got["recommended"] is None  # no --gpus
     model = got["model"]
     assert model["params"] == facts.params == 1721 and model["tokens"] == 4 and model["seq"] is None
     assert model["step"]["flops_forward"] == facts.step.flops_forward
@@ -152,3 +153,37 @@ def test_a_transformers_config_file(capsys, tmp_path):
     c, layers = 64, 3
     assert code == 0 and model["seq"] == 32
     assert model["params"] == 2 * 100 * c + layers * (2 * c * c + 2 * c * 2 * 16 + 3 * c * 128 + 2 * c) + c
+
+
+def test_gpus_and_a_cluster_time_each_strategy_and_recommend_the_fastest_that_fits(capsys):
+    """The issue's own command: a table and a recommendation in a few seconds, from fake tensors."""
+    import time
+
+    argv = ("gpt2-xl", "--gpus", "8", "--cluster", "h100-8x", "--batch", "8", "--seq", "1024", "--precision", "bf16")
+    started = time.monotonic()
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert time.monotonic() - started < 60  # about 5 s here
+    assert "step time per strategy on 8 h100-8x device(s) (1 node(s))" in out
+    code, out, err = run(capsys, *argv, "--json")
+    plan = json.loads(out)
+    rows = [r for r in plan["strategies"] if "error" not in r]
+    assert {r["label"] for r in rows} >= {"ddp", "zero1", "zero2", "zero3", "pipeline 8x8", "pipeline 2x2"}
+    for r in rows:  # the parts add up, and the speed follows from the step time
+        assert r["step_seconds"] == pytest.approx(r["compute_seconds"] + r["exposed_comm_seconds"] + r["bubble_seconds"])
+        assert r["per_device_per_second"] == pytest.approx(8 * 1024 / r["step_seconds"] / 8)
+        assert r["fits"] == (r["device_peak"] <= 80 * 2**30) and 0 < r["mfu"] < 0.6  # at most the achievable
+    best = max((r for r in rows if r["fits"]), key=lambda r: r["per_device_per_second"])
+    assert plan["recommended"] == best["session"] and plan["fit_advice"] is None
+    assert f"recommended: {best['session']}" in run(capsys, *argv)[1]
+    by = {r["label"]: r for r in rows}  # zero3 moves its parameters twice more than ddp: slower, smaller
+    assert by["zero3"]["comm_seconds"] > by["ddp"]["comm_seconds"] and by["zero3"]["device_peak"] < by["ddp"]["device_peak"]
+
+
+def test_a_model_that_fits_nowhere_says_what_would_fit(capsys):
+    code, out, err = run(capsys, "llama-2-70b", "--gpus", "8", "--cluster", "h100-8x", "--batch", "8",
+                         "--seq", "4096", "--precision", "bf16")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "no strategy fits llama-2-70b in 80 GiB per device on 8 h100-8x device(s); it would fit with " \
+           "16 devices under zero3 with activation checkpointing" in err
+    assert "ddp +ckpt" in out  # what did not fit was tried again with checkpointing

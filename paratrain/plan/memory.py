@@ -173,7 +173,7 @@ def _plain(state: OptimizerState, params: list[nn.Parameter], activations: int) 
                       optimizer=state.bytes([(p.numel(), p.dtype) for p in trainable]), activations=activations)
 
 
-def _bucket_layout(params: list[nn.Parameter], caps: list[int], reduction: Reduction, find_unused: bool,
+def bucket_layout(params: list[nn.Parameter], caps: list[int], reduction: Reduction, find_unused: bool,
                    arrival: list[nn.Parameter] | None) -> list[list[nn.Parameter]]:
     """The buckets the gradients live in at rest: rebuilt in arrival order (grad_sync.py), or the
     first layout when they never are."""
@@ -190,7 +190,7 @@ def _data_parallel(m: _Model, strategy: DDP, local_world: int, arrival) -> RankM
         reduction: Reduction = HierarchicalReduction(NodeGroups(None, None, tuple(range(local_world)), ()))
     else:
         reduction = AllReduce()
-    layout = _bucket_layout(m.trainable, bucket_caps(strategy.bucket_cap_mb, None), reduction,
+    layout = bucket_layout(m.trainable, bucket_caps(strategy.bucket_cap_mb, None), reduction,
                             strategy.find_unused_parameters, arrival)
     sizes = [buffer_numel(b, reduction.pad_to) * b[0].dtype.itemsize for b in layout]
     plain = _plain(m.state, list(m.module.parameters()), 0)
@@ -199,7 +199,7 @@ def _data_parallel(m: _Model, strategy: DDP, local_world: int, arrival) -> RankM
                       activations=m.activation_bytes // m.world)
 
 
-def _meta_like(params: list[nn.Parameter], dtype: torch.dtype | None) -> dict[nn.Parameter, nn.Parameter]:
+def meta_like(params: list[nn.Parameter], dtype: torch.dtype | None) -> dict[nn.Parameter, nn.Parameter]:
     """Stand-ins of `params` on the meta device, cast to `dtype` as ZeRO casts them before laying
     out its buckets (the caps are in bytes, so the layout depends on the dtype)."""
     return {p: nn.Parameter(torch.empty(p.shape, dtype=dtype or p.dtype, device="meta")) for p in params}
@@ -207,7 +207,7 @@ def _meta_like(params: list[nn.Parameter], dtype: torch.dtype | None) -> dict[nn
 
 def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
     """Stages 1 and 2 (stage12.py, [Note: master shards])."""
-    stand = _meta_like(m.trainable, strategy.param_dtype)
+    stand = meta_like(m.trainable, strategy.param_dtype)
     original = {s: p for p, s in stand.items()}
     reduction = OwnerReduction(group=None, rank=0, world=m.world,
                                group_of={s: m.group_of[p] for p, s in stand.items()})

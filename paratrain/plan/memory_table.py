@@ -17,19 +17,27 @@ from paratrain.plan.model_source import ModelSource
 FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations", "host")
 
 
-def strategies(gpus: int) -> list[Strategy]:
-    """What the table compares on `gpus` ranks."""
+def strategies(gpus: int, batch: int | None = None) -> list[Strategy]:
+    """What the table compares on `gpus` ranks: each data-parallel strategy, a pipeline over every
+    rank and, from 4 ranks, pipelines of 2 stages times gpus/2 replicas; a pipeline's
+    micro-batches are the most, up to 4 per stage, that divide its replica's share of `batch`."""
     chosen: list[Strategy] = [Single()] if gpus == 1 else []
     chosen += [DDP(), Hierarchical(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3)]
-    return chosen + ([Pipeline(stages=gpus)] if gpus > 1 else [])
+    stages = [gpus] + ([2] if gpus >= 4 and gpus % 2 == 0 else []) if gpus > 1 else []
+    return chosen + [Pipeline(stages=s, microbatches=_microbatches(s, (batch or 4 * s) * s // gpus)) for s in stages]
+
+
+def _microbatches(stages: int, replica_batch: int) -> int:
+    return max((m for m in range(1, 4 * stages + 1) if replica_batch % m == 0), default=1)
 
 
 def memory_rows(source: ModelSource, *, gpus: int, gpus_per_node: int | None, optimizer: str,
-                activation_bytes: int) -> list[dict]:
-    """One row per strategy: the figures of its fullest rank (largest device_peak), or `error`."""
+                activation_bytes: int, chosen: list[Strategy] | None = None) -> list[dict]:
+    """One row per strategy (`chosen`, default `strategies(gpus)`): the figures of its fullest
+    rank (largest device_peak), or `error`."""
     rows = []
-    for strategy in strategies(gpus):
-        row: dict = {"strategy": strategy.name}
+    for strategy in chosen if chosen is not None else strategies(gpus):
+        row: dict = {"strategy": strategy.name, "label": label(strategy)}
         try:
             ranks = predict(source.build(), strategy, world=gpus, optimizer=optimizer,
                             local_world=min(gpus_per_node or gpus, gpus), activation_bytes=activation_bytes)
@@ -39,6 +47,13 @@ def memory_rows(source: ModelSource, *, gpus: int, gpus_per_node: int | None, op
         rank = max(range(len(ranks)), key=lambda r: ranks[r].device_peak)
         rows.append({**row, "rank": rank, **_figures(ranks[rank])})
     return rows
+
+
+def label(strategy: Strategy) -> str:
+    """The strategy's name in a table: a pipeline with its stages and micro-batches."""
+    if isinstance(strategy, Pipeline):
+        return f"pipeline {strategy.stages}x{strategy.microbatches}"
+    return strategy.name
 
 
 def _figures(memory: RankMemory) -> dict:
@@ -54,10 +69,10 @@ def describe_memory(rows: list[dict], *, gpus: int, optimizer: str, size) -> str
              "  " + "".join(f"{h:>13}" if i else f"{h:<14}" for i, h in enumerate(head))]
     for row in rows:
         if "error" in row:
-            lines.append(f"  {row['strategy']:<14}not planned: {row['error'].split(';')[0]}")
+            lines.append(f"  {row['label']:<14}not planned: {row['error'].split(';')[0]}")
             continue
         cells = [row[k] for k in ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations",
                                   "device_peak")]
         host = f"  (+{size(row['host'])} in CPU memory)" if row["host"] else ""
-        lines.append(f"  {row['strategy']:<14}" + "".join(f"{size(c):>13}" for c in cells) + host)
+        lines.append(f"  {row['label']:<14}" + "".join(f"{size(c):>13}" for c in cells) + host)
     return "\n".join(lines)

@@ -6,7 +6,9 @@
     paratrain plan --calibrate cpu.json
 
 It prints the model's facts and, with `--gpus N`, each strategy's memory per rank on N devices
-(memory_table.py, memory.py; `--batch` is the global batch); the time table comes next (issue 12).
+(memory_table.py, memory.py; `--batch` is the global batch); with `--cluster` too, each one's
+step time, throughput and MFU, and the plan to use (recommend.py, step_time.py, traffic.py).
+A model that no strategy fits is exit status 2, with what would make it fit.
 Bad input (an unknown model, preset or file, a factory that raises) is one line on stderr and
 exit status 2, as everywhere in the CLI.
 
@@ -32,13 +34,24 @@ exit status 2, as everywhere in the CLI.
     calibrated        the file --calibrate wrote, or null
     strategies        null without --gpus; else one row per strategy (its default settings, the
                       --optimizer's state, --batch split over the ranks), for its fullest rank:
-      strategy, rank  the strategy's name; the rank whose device_peak is largest
+      strategy, label, rank  the strategy's name; as the table shows it (a pipeline: "pipeline
+                      SxM", stages × micro-batches); the rank whose device_peak is largest
       params, grads, optimizer   exact bytes at rest (after a step, before zero_grad)
       comm_buffers, gathered     upper bounds of what backward / ZeRO-3's gathers add
       activations                approximate: the step's activation_bytes, this rank's share
       host                       of params + grads + optimizer: in CPU memory (offload)
       at_rest, device_peak       params + grads + optimizer; on the device at the peak
-      or strategy, error        a strategy that cannot run the model on N ranks, and why
+      with --cluster too:
+      activation_checkpointing   whether this row checkpoints (tried when it does not fit without)
+      session         the pt.Session(...) line that runs it
+      fits            device_peak is within the cluster's device memory
+      step_seconds    compute_seconds + exposed_comm_seconds + bubble_seconds (step_time.py)
+      comm_seconds    every collective's time, hidden by compute or not
+      per_device_per_second      tokens (or samples, without a sequence) per second per device
+      mfu             the model's FLOPs per step / (step_seconds × devices × peak FLOP/s)
+      or strategy, label, error  a strategy that cannot run the model on N ranks, and why
+    recommended       null, or the fitting row with the most per_device_per_second: its `session`
+    fit_advice        null, or when nothing fits (with --cluster): what would (recommend.smallest_fit)
 """
 
 from __future__ import annotations
@@ -57,6 +70,7 @@ from paratrain.plan.memory_table import describe_memory, memory_rows
 from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts
 from paratrain.plan.model_source import PRESETS as MODELS
 from paratrain.plan.model_source import resolve
+from paratrain.plan.recommend import describe_plan, plan_rows, recommend, smallest_fit
 
 SCHEMA = "paratrain.plan/0"
 FLOPS_DTYPE = {"32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # the cluster's rate for each precision
@@ -104,8 +118,13 @@ def plan(args: argparse.Namespace) -> None:
         facts = model_facts(resolve(args.model), args.batch, args.seq, precision=args.precision,
                             activation_checkpointing=which, exact=args.exact)
     rows = _memory(args, facts, cluster) if args.gpus is not None and facts is not None else None
+    timed = rows is not None and cluster is not None
+    best = recommend(rows) if timed else None
+    advice = None if best is not None or not timed else \
+        smallest_fit(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer)
     if args.json:
-        print(json.dumps({**to_json(facts, cluster, args.calibrate), "strategies": rows}, indent=2))
+        print(json.dumps({**to_json(facts, cluster, args.calibrate), "strategies": rows,
+                          "recommended": best["session"] if best else None, "fit_advice": advice}, indent=2))
         return
     if calibrated is not None:
         print(describe_cluster(calibrated, f"wrote {args.calibrate}, cluster"))
@@ -115,11 +134,18 @@ def plan(args: argparse.Namespace) -> None:
         print(describe_facts(facts, cluster))
     if rows is not None:
         print(describe_memory(rows, gpus=args.gpus, optimizer=args.optimizer, size=_bytes))
+    if timed:
+        print(describe_plan(rows, gpus=args.gpus, cluster=cluster, per="token" if facts.seq else "sample", size=_bytes))
+    if advice is not None:
+        raise ConfigError(f"no strategy fits {facts.name} in {_bytes(cluster.device_memory)} per device on "
+                          f"{args.gpus} {cluster.name} device(s); {advice}")
 
 
 def _memory(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None) -> list[dict]:
-    """The memory table's rows: the model built again on the meta device, the step's activations
-    (without checkpointing) split over the ranks, nodes of the cluster's size."""
+    """The table's rows: the model built again on the meta device, the step's activations split
+    over the ranks, nodes of the cluster's size; with a cluster, each row timed too (recommend.py)."""
+    if cluster is not None:
+        return plan_rows(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer)
     return memory_rows(resolve(args.model), gpus=args.gpus, optimizer=args.optimizer,
                        gpus_per_node=cluster.gpus_per_node if cluster else None,
                        activation_bytes=facts.step.activation_bytes)
@@ -190,5 +216,5 @@ def _flop(value: float) -> str:
 def _bytes(value: float) -> str:
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if value >= size:
-            return f"{value / size:.3g} {unit}"
+            return f"{value / size:.3g} {unit}" if value < 1000 * size else f"{value / size:.0f} {unit}"
     return f"{int(value)} B"

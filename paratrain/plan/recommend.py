@@ -1,0 +1,167 @@
+"""`paratrain plan --gpus N --cluster C`: each strategy's step time beside its memory, the plan to
+use, and what would make a model fit that fits nowhere.
+
+Each strategy's row joins its memory (memory_table.py) and its step time (step_time.py over the
+messages traffic.py reads from its layout). A strategy fits when its fullest rank's device peak
+is within the cluster's device memory; one that does not fit is tried again with activation
+checkpointing (model_probe's second count: fewer activations, the recompute's FLOPs). The
+recommendation is the fitting row with the most tokens (or samples) per second per device,
+written as the `pt.Session(...)` line that runs it. MFU is the model's FLOPs per step (the
+forward and backward, not the recompute) over the step time times the devices' peak rate.
+"""
+
+from __future__ import annotations
+
+from paratrain.parallel.base import Strategy
+from paratrain.parallel.ddp import DDP
+from paratrain.parallel.hierarchical import Hierarchical
+from paratrain.parallel.pipeline import Pipeline
+from paratrain.parallel.zero import ZeRO
+from paratrain.plan import step_time
+from paratrain.plan.cluster import Cluster
+from paratrain.plan.comm_model import Group
+from paratrain.plan.memory_table import memory_rows, strategies
+from paratrain.plan.model_probe import ModelFacts, StepCount
+from paratrain.plan.model_source import ModelSource
+from paratrain.plan.traffic import traffic
+
+FLOPS_DTYPE = {"32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # the cluster's rate for each precision
+
+
+def plan_rows(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus: int, optimizer: str) -> list[dict]:
+    """One row per strategy (checkpointed where it fits only so): memory, time, throughput, fit."""
+    nodes = nodes_for(gpus, cluster)
+    chosen = strategies(gpus, facts.batch)
+    plain = _rows(source, facts, facts.step, cluster, chosen, gpus=gpus, nodes=nodes, optimizer=optimizer)
+    if facts.checkpointed is None:
+        return plain
+    again = [s for s, row in zip(chosen, plain) if "error" not in row and not row["fits"]]
+    if not again:
+        return plain
+    checkpointed = iter(_rows(source, facts, facts.checkpointed, cluster, again, gpus=gpus, nodes=nodes,
+                              optimizer=optimizer))
+    return [next(checkpointed) if s in again else row for s, row in zip(chosen, plain)]
+
+
+def nodes_for(gpus: int, cluster: Cluster) -> int:
+    """Whole nodes of the cluster's size, or one node when fewer devices than a node holds."""
+    return max(1, -(-gpus // cluster.gpus_per_node))
+
+
+def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Cluster, chosen: list[Strategy],
+          *, gpus: int, nodes: int, optimizer: str) -> list[dict]:
+    memory = memory_rows(source, gpus=gpus, gpus_per_node=min(gpus, cluster.gpus_per_node), optimizer=optimizer,
+                         activation_bytes=step.activation_bytes, chosen=chosen)
+    out = []
+    for strategy, row in zip(chosen, memory):
+        if "error" in row:
+            out.append(row)
+            continue
+        seconds = _time(source, strategy, step, cluster, gpus=gpus, nodes=nodes, facts=facts)
+        out.append({**row, "activation_checkpointing": bool(step.checkpointed), "session": session_line(strategy, step, facts.precision),
+                    "fits": row["device_peak"] <= cluster.device_memory, **_speed(seconds, facts, cluster, gpus)})
+    return out
+
+
+def _time(source: ModelSource, strategy: Strategy, step: StepCount, cluster: Cluster, *, gpus: int, nodes: int,
+          facts: ModelFacts) -> step_time.StepTime:
+    compute = step_time.Compute.of(step.flops_forward, step.flops_backward, cluster, FLOPS_DTYPE[facts.precision],
+                                   world=gpus, nodes=nodes)
+    sent = traffic(source.build(), strategy, world=gpus, local_world=min(gpus, cluster.gpus_per_node))
+    elements, sizes = [n for n, _ in sent.buckets], [b for _, b in sent.buckets]
+    group = Group(gpus, nodes if gpus % nodes == 0 else 1)
+    if isinstance(strategy, Pipeline):
+        replicas = gpus // strategy.stages
+        cut = max(step.block_output_bytes.values(), default=0) // replicas
+        return step_time.pipeline(compute.share(1 / replicas), stages=strategy.stages,
+                                  microbatches=strategy.microbatches, cut_bytes=cut,
+                                  replicas_group=Group(replicas), stage_bucket_bytes=sizes,
+                                  stage_bucket_elements=elements, cluster=cluster, same_node=nodes == 1)
+    share = compute.share(1 / gpus)
+    scatter = cluster.backend != "gloo"  # zero/collectives.py: what measured faster on each backend
+    if isinstance(strategy, ZeRO) and strategy.stage == 3:
+        return step_time.zero3(share, elements, sizes, sizes, group, cluster, scatter=scatter)
+    if isinstance(strategy, ZeRO):
+        return step_time.zero12(share, sizes, elements, sent.gathers, group, cluster, scatter=scatter)
+    if isinstance(strategy, DDP):
+        return step_time.data_parallel(share, sizes, elements, group, cluster,
+                                       hierarchical=isinstance(strategy, Hierarchical))
+    return step_time.StepTime(share.forward + share.backward, 0.0)
+
+
+def _speed(seconds: step_time.StepTime, facts: ModelFacts, cluster: Cluster, gpus: int) -> dict:
+    model_flops = facts.step.flops_forward + facts.step.flops_backward
+    peak = cluster.peak_flops[FLOPS_DTYPE[facts.precision]]
+    return {"step_seconds": seconds.total, "compute_seconds": seconds.compute,
+            "exposed_comm_seconds": seconds.exposed_comm, "bubble_seconds": seconds.bubble,
+            "comm_seconds": seconds.comm, "per_device_per_second": facts.tokens / seconds.total / gpus,
+            "mfu": model_flops / (seconds.total * gpus * peak)}
+
+
+def session_line(strategy: Strategy, step: StepCount, precision: str = "32") -> str:
+    """The `pt.Session(...)` that runs `strategy` as planned."""
+    if isinstance(strategy, Pipeline):
+        name = f"pt.Pipeline(stages={strategy.stages}, schedule={strategy.schedule!r}, microbatches={strategy.microbatches})"
+    else:
+        name = repr(strategy.name)
+    ac = ", activation_checkpointing=\"auto\"" if step.checkpointed else ""
+    precision = f", precision={precision!r}" if precision != "32" else ""
+    return f"pt.Session({name}{precision}{ac})"
+
+
+def recommend(rows: list[dict]) -> dict | None:
+    """The fitting row with the most throughput per device, or None when none fits."""
+    fitting = [row for row in rows if "error" not in row and row["fits"]]
+    return max(fitting, key=lambda row: row["per_device_per_second"], default=None)
+
+
+def describe_plan(rows: list[dict], *, gpus: int, cluster: Cluster, per: str, size) -> str:
+    """The text table of times and the recommendation; `per` names the unit (token or sample),
+    `size` formats bytes."""
+    lines = [f"step time per strategy on {gpus} {cluster.name} device(s) ({nodes_for(gpus, cluster)} node(s)); "
+             f"fits: device peak within {size(cluster.device_memory)}:",
+             f"  {'strategy':<22}{'device peak':>12}{'fits':>6}{'step s':>10}{'compute':>10}{'exposed':>10}"
+             f"{'bubble':>10}{per + 's/s/dev':>14}{'MFU':>7}"]
+    for row in rows:
+        if "error" in row:
+            continue
+        name = _label(row)
+        lines.append(f"  {name:<22}{size(row['device_peak']):>12}{'yes' if row['fits'] else 'no':>6}"
+                     f"{row['step_seconds']:>10.3g}{row['compute_seconds']:>10.3g}{row['exposed_comm_seconds']:>10.3g}"
+                     f"{row['bubble_seconds']:>10.3g}{row['per_device_per_second']:>14.4g}{row['mfu']:>7.1%}")
+    best = recommend(rows)
+    if best is not None:
+        lines.append(f"recommended: {best['session']}  ({_label(best)}: {best['step_seconds']:.3g} s per step, "
+                     f"{best['per_device_per_second']:.4g} {per}s/s per device, MFU {best['mfu']:.1%})")
+    return "\n".join(lines)
+
+
+def _label(row: dict) -> str:
+    return row["label"] + (" +ckpt" if row["activation_checkpointing"] else "")
+
+
+def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus: int, optimizer: str) -> str:
+    """What would make the model fit when no strategy does: more devices, offload, a smaller batch."""
+    step = facts.checkpointed or facts.step
+    ac = " with activation checkpointing" if facts.checkpointed else ""
+    zero3 = [ZeRO(stage=3)]
+
+    def peak(n: int, strategy: Strategy, activations: int) -> int:
+        row = memory_rows(source, gpus=n, gpus_per_node=min(n, cluster.gpus_per_node), optimizer=optimizer,
+                          activation_bytes=activations, chosen=[strategy])[0]
+        return row["device_peak"] if "error" not in row else 1 << 62
+
+    ways = []
+    more = next((n for n in (2 ** k for k in range(11)) if n > gpus and
+                 peak(n, zero3[0], step.activation_bytes) <= cluster.device_memory), None)
+    if more:
+        ways.append(f"{more} devices under zero3{ac}")
+    if peak(gpus, ZeRO(stage=3, offload=True), step.activation_bytes) <= cluster.device_memory:
+        ways.append(f"zero3 with offload{ac} on {gpus}")
+    fixed = peak(gpus, zero3[0], 0)
+    per_sample = step.activation_bytes / facts.batch
+    if fixed < cluster.device_memory and per_sample and (batch := int((cluster.device_memory - fixed) / per_sample * gpus)):
+        ways.append(f"a batch of at most {min(batch, facts.batch - 1)} under zero3{ac} on {gpus}")
+    if not ways:
+        return "nothing up to 1,024 devices fits it"
+    return "it would fit with " + "; or ".join(ways)
