@@ -30,8 +30,8 @@ Phase 2, speed and agreement: one job per model. Each rank wraps deep copies of 
 model, one per implementation, with an optimizer each; all see the same per-rank batches in the
 same order. A third implementation, "ours_no_recorder", is ours again with the flight recorder
 switched off for its steps (`flight_hooks.off()`: torch.distributed's own functions, as under
-PARATRAIN_FLIGHT_RECORDER=0); recorder_overhead is ours_ms / ours_no_recorder_ms - 1, the step
-time the recorder costs (its target: at most 1%). After warm-up steps, `--rounds` rounds in
+PARATRAIN_FLIGHT_RECORDER=0); recorder_overhead_blocks is ours_ms / ours_no_recorder_ms - 1.
+After warm-up steps, `--rounds` rounds in
 which each implementation runs `--steps` timed steps, the order rotated by one each round (ranks
 meet at a barrier before each block). A step
 (forward, loss, backward, optimizer step, zero_grad) takes as long as its slowest rank; reported:
@@ -40,6 +40,12 @@ the median over all timed steps (and each round's median, to show the noise). Al
 which leaves out waiting for the all-reduces and for other processes, so it shows what each
 wrapper adds on the critical thread even on a busy machine. All have then done the same steps
 from the same start, and max_param_diff is the largest |ours - torch| over all parameters.
+
+Phase 3, the flight recorder's cost (its target: at most 1% of a step): the block medians above
+differ by the machine's drift between blocks (±3% here), which hides a cost of 0.1%. So ours then
+runs rounds × steps pairs of steps, the recorder on for one step of each pair and off for the
+other (which first alternates), the ranks meeting at a barrier before each step; recorder_overhead
+is the median over pairs of the slowest rank's (on − off), over the median step with it off.
 """
 
 from __future__ import annotations
@@ -47,16 +53,19 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import sys
+import time
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
 import paratrain as pt  # noqa: E402
 from common import (MODELS, SEQ, bench_parser, parse_bench_args, loss_of, make_batches, make_model, peak_rss_mb, print_table,  # noqa: E402
                     reset_peak_rss, return_freed_memory_to_os, rss_mb, summarize_times,
-                    time_interleaved, train_step,
+                    slowest_rank, time_interleaved, train_step,
                     load_at_start, write_results)
 from paratrain import flight_hooks  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
@@ -114,8 +123,31 @@ def speed(topo, name: str, hook: str | None, batch: int, warmup: int, rounds: in
     batches = make_batches(name, batch, DATA_BATCHES, seed=100 + topo.rank)
     step_of = {impl: (lambda x, y, impl=impl: _step(impl, ddps[impl], opts[impl], x, y)) for impl in ddps}
     timed = time_interleaved(step_of, batches, warmup=warmup, rounds=rounds, steps=steps)
-    return dict(**timed, diff=max_param_diff(ddps["ours"].module, ddps["torch"].module),
-                recorder_diff=max_param_diff(ddps["ours"].module, ddps["ours_no_recorder"].module))
+    diffs = dict(diff=max_param_diff(ddps["ours"].module, ddps["torch"].module),
+                 recorder_diff=max_param_diff(ddps["ours"].module, ddps["ours_no_recorder"].module))
+    return dict(**timed, **diffs, paired=_paired(ddps["ours"], opts["ours"], batches, rounds * steps))
+
+
+def _paired(ddp: torch.nn.Module, opt: torch.optim.Optimizer, batches, pairs: int) -> dict[str, list[float]]:
+    """Phase 3: the recorder on and off on alternate steps of one model (which goes first swapped
+    each pair), so each pair's two steps share the machine's state: their difference is the
+    recorder's cost, where the difference of two blocks' medians is mostly the blocks' drift."""
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(pairs):
+        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            x, y = batches[i % len(batches)]
+            dist.barrier()
+            start = time.perf_counter()
+            _step("ours" if mode == "on" else "ours_no_recorder", ddp, opt, x, y)
+            times[mode].append(time.perf_counter() - start)
+    return times
+
+
+def paired_overhead(per_rank: list[dict]) -> float:
+    """The median over pairs of (on − off), the slowest rank's steps, over the median off step."""
+    on = slowest_rank([r["paired"]["on"] for r in per_rank])
+    off = slowest_rank([r["paired"]["off"] for r in per_rank])
+    return statistics.median(a - b for a, b in zip(on, off)) / statistics.median(off)
 
 
 def bench_model(case: str, args) -> dict:
@@ -130,7 +162,8 @@ def bench_model(case: str, args) -> dict:
         raise RuntimeError("the flight recorder changed what training computed")
     return dict(params=sum(p.numel() for p in make_model(name).parameters()),
                 ratio=times["ours_ms"] / times["torch_ms"], max_param_diff=max(r["diff"] for r in results),
-                recorder_overhead=times["ours_ms"] / times["ours_no_recorder_ms"] - 1,
+                recorder_overhead=paired_overhead(results),
+                recorder_overhead_blocks=times["ours_ms"] / times["ours_no_recorder_ms"] - 1,
                 ours_peak_mb=memory["ours"], torch_peak_mb=memory["torch"], **times)
 
 

@@ -57,13 +57,13 @@ def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Clus
         if "error" in row:
             out.append(row)
             continue
-        seconds = _time(source, strategy, step, cluster, gpus=gpus, nodes=nodes, facts=facts)
+        seconds = predict_time(source, strategy, step, cluster, gpus=gpus, nodes=nodes, facts=facts)
         out.append({**row, "activation_checkpointing": bool(step.checkpointed), "session": session_line(strategy, step, facts.precision),
                     "fits": row["device_peak"] <= cluster.device_memory, **_speed(seconds, facts, cluster, gpus)})
     return out
 
 
-def _time(source: ModelSource, strategy: Strategy, step: StepCount, cluster: Cluster, *, gpus: int, nodes: int,
+def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, cluster: Cluster, *, gpus: int, nodes: int,
           facts: ModelFacts) -> step_time.StepTime:
     compute = step_time.Compute.of(step.flops_forward, step.flops_backward, cluster, FLOPS_DTYPE[facts.precision],
                                    world=gpus, nodes=nodes)
