@@ -56,6 +56,10 @@ class TinyGPT(nn.Module):
         self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(SEQ),
                              persistent=False)
 
+    def example_inputs(self, batch: int, seq: int | None = None) -> tuple[torch.Tensor]:
+        """What `paratrain plan` feeds it (plan/model_source.py)."""
+        return (torch.zeros(batch, seq or SEQ, dtype=torch.long),)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, SEQ) → (B, SEQ, VOCAB)
         h = self.embed(tokens) + self.pos
         return self.head(self.norm(self.blocks(h, mask=self.causal, is_causal=True)))

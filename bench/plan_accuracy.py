@@ -123,8 +123,10 @@ def main(argv=None) -> None:
         save_cluster(cluster, os.path.join(HERE, "results", "cpu_calibration.json"))
     rows = []
     for model, case, world in cases(args):
-        print(f"{model} {case} world {world} ...", flush=True)
-        got, want = measure(model, case, world, args), predicted(model, case, world, cluster)
+        want = predicted(model, case, world, cluster)
+        got = measure(model, case, world, args)
+        print(f"{model} {case} world {world}: step {got['step_s']:.3f} s (predicted {want['step_s']:.3f}), "
+              f"peak {got['peak_mb']:.0f} MiB (predicted {want['peak_mb']:.0f})", flush=True)
         rows.append(dict(model=model, strategy=case, world=world, measured_step_s=got["step_s"],
                          predicted_step_s=want["step_s"], step_error=want["step_s"] / got["step_s"] - 1,
                          measured_peak_mb=got["peak_mb"], predicted_peak_mb=want["peak_mb"],
