@@ -10,10 +10,11 @@ on gloo, one thread per rank, through `pt.Session(strategy).train_step`, as a us
 ZeRO-3's units are the models' blocks (bench/zero.py's); the pipeline has 2 stages (the GPT cut at
 `blocks.layers.4`, bench/pipeline.py's), 4 micro-batches, replicas beyond 2 ranks.
 
-Measured, per case: the step time (the slowest rank's, median of `--steps` after `--warmup`) and
-each rank's peak memory: VmHWM after the steps minus VmRSS before the model was built (the
-process's high-water mark, reset there), with glibc's mmap threshold fixed so that freed
-blocks leave RSS (common.py); the larger rank's.
+Measured, per case: the step time (the slowest rank's, median of `--steps` after `--warmup`), and
+in a job of its own, each rank's peak memory over 3 steps: VmHWM after the steps minus VmRSS
+before the model was built (the process's high-water mark, reset there), with glibc's mmap
+threshold fixed so that freed blocks leave RSS (common.py; it slows each step by its page
+faults, hence the separate job); the larger rank's.
 
 Predicted, from the same model built on the meta device: the fullest rank's device peak
 (plan/memory.py, with model_probe's activations for the global batch) and the step time
@@ -69,10 +70,12 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, -2), y.flatten())
 
 
-def _rank(topo, model_name: str, case: str, steps: int, warmup: int) -> dict:
-    """Train `steps` timed steps; this rank's step times and peak memory."""
+def _rank(topo, model_name: str, case: str, steps: int, warmup: int, memory: bool) -> dict:
+    """Train `steps` timed steps; this rank's step times, or (`memory`) its peak memory with
+    freed blocks leaving RSS (which slows every step by its page faults: a job of its own)."""
     torch.set_num_threads(1)
-    return_freed_memory_to_os()
+    if memory:
+        return_freed_memory_to_os()
     batches = make_batches(model_name, GLOBAL_BATCH[model_name], warmup + steps, seed=1)
     reset_peak_rss()
     base = rss_mb()
@@ -90,9 +93,10 @@ def _rank(topo, model_name: str, case: str, steps: int, warmup: int) -> dict:
 
 
 def measure(model: str, case: str, world: int, args: argparse.Namespace) -> dict:
-    ranks = run_on_ranks(_rank, world, model, case, args.steps, args.warmup, threads=1, timeout=600)
+    ranks = run_on_ranks(_rank, world, model, case, args.steps, args.warmup, False, threads=1, timeout=600)
     slowest = [max(step) for step in zip(*(r["times"] for r in ranks))]
-    return {"step_s": statistics.median(slowest), "peak_mb": max(r["peak_mb"] for r in ranks)}
+    peaks = run_on_ranks(_rank, world, model, case, 1, 2, True, threads=1, timeout=600)
+    return {"step_s": statistics.median(slowest), "peak_mb": max(r["peak_mb"] for r in peaks)}
 
 
 def predicted(model: str, case: str, world: int, cluster) -> dict:

@@ -74,3 +74,16 @@ def test_a_pipeline_step_is_m_plus_p_minus_one_slots():
     step = st.pipeline(compute, stages=2, microbatches=4, cut_bytes=0, replicas_group=Group(1),
                        stage_bucket_bytes=[], stage_bucket_elements=[], cluster=cluster())
     assert step.compute == 12.0 and step.bubble == 3.0 and step.total == (4 + 2 - 1) * 3.0
+
+
+def test_elementwise_work_and_the_optimizer_step_take_their_rates():
+    import dataclasses
+
+    hand = dataclasses.replace(cluster(gpus_per_node=2), elementwise_rate=3e9, optimizer_rate=1e8)
+    # 0.5 TFLOP/s: 1 s forward, 2 s backward of matmuls; 3 GB of saved activations at 3 GB/s: 1 s, a third forward
+    got = st.Compute.of(0.5e12, 1e12, hand, "fp32", world=2, activation_bytes=3 * 10**9)
+    assert (got.forward, got.backward) == pytest.approx((1.0 + 1 / 3, 2.0 + 2 / 3))
+    assert st.optimizer_seconds(10**8, hand, world=2) == pytest.approx(1.0)
+    assert st.optimizer_seconds(10**8, hand, world=4) == pytest.approx(2.0)  # two ranks per core
+    assert st.optimizer_seconds(10**8, cluster(), world=2) == 0.0  # no rate: not timed
+    assert st.StepTime(1.0, 0.5, bubble=0.25, optimizer=0.125).total == 1.875

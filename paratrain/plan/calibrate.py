@@ -78,6 +78,8 @@ def calibrate(settings: Settings = Settings(), *, name: str = "calibrated") -> C
             extra["matmul_all_threads"] = matmul_rates(settings, device)
             torch.set_num_threads(1)  # one device: one core
         flops = matmul_rates(settings, device)
+        extra["optimizer_rate"] = optimizer_rate(settings, device)
+        extra["elementwise_rate"] = elementwise_rate(settings, device)
     finally:
         torch.set_num_threads(threads)
     results = run_on_ranks(time_collectives, world, settings, backend="nccl" if cuda else "gloo",
@@ -116,6 +118,51 @@ def _matmul_rate(settings: Settings, device: torch.device, dtype: torch.dtype) -
             _sync(device)
     _sync(device)
     return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def optimizer_rate(settings: Settings, device: torch.device) -> float:
+    """Elements per second torch.optim.Adam (its default foreach implementation) steps: eight
+    parameters of 2^20 elements, as a model's many tensors."""
+    params = [torch.nn.Parameter(torch.randn(2**20, device=device)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adam = torch.optim.Adam(params, lr=1e-3)
+    return 8 * 2**20 / _seconds(adam.step, settings, device)
+
+
+def elementwise_rate(settings: Settings, device: torch.device) -> float:
+    """Saved-activation bytes per second through the element-wise work of a transformer block's
+    forward and backward without its matmuls (LayerNorm, GELU, softmax over rows, residual adds), on
+    (4096, 1024) floats; the bytes are what autograd saves, as model_probe counts them."""
+    x = torch.randn(4096, 1024, device=device, requires_grad=True)
+    norm = torch.nn.LayerNorm(1024).to(device)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def step() -> None:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h = x + torch.nn.functional.gelu(norm(x))
+            y = h + torch.softmax(h, dim=-1)
+        y.sum().backward()
+
+    seconds = _seconds(step, settings, device)
+    return sum(saved.values()) / seconds
+
+
+def _seconds(call, settings: Settings, device: torch.device) -> float:
+    """The fastest of a few timings of `call()`, after one untimed."""
+    call()
+    best = float("inf")
+    for _ in range(max(3, settings.trials)):
+        _sync(device)
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _sync(device: torch.device) -> None:
@@ -188,6 +235,8 @@ def describe(measured: Measured, world: int, device: torch.device, name: str) ->
                  "peak_flops": "achieved matmul rate, so matmul_efficiency is 1.0"
                                + ("" if cuda else "; one thread per device (core)"),
                  "inter": "assumption: one node was measured; the inter-node link is the intra-node one"},
+        optimizer_rate=measured.extra.get("optimizer_rate", 0.0),
+        elementwise_rate=measured.extra.get("elementwise_rate", 0.0),
         measured={"collectives": per_op, **measured.extra})
 
 

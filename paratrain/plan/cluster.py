@@ -54,6 +54,10 @@ class Cluster:
     # "broadcast") by calibration; each replaces `intra` for its collective (comm_model.py)
     collective_links: dict[str, Link] = field(default_factory=dict)
     measured: dict = field(default_factory=dict)  # calibration's raw fits (calibrate.py), if any
+    # what matmuls leave out (step_time.py); 0: not timed
+    optimizer_rate: float = 0.0  # elements per second an element-wise optimizer (Adam) steps per device
+    elementwise_rate: float = 0.0  # saved-activation bytes per second the non-matmul work of a
+    # forward and backward gets through (norms, activations, softmax, residuals, the loss)
 
     def __post_init__(self):
         if self.gpus_per_node < 1 or not 0 < self.matmul_efficiency <= 1:
@@ -73,6 +77,15 @@ class Cluster:
         return self.peak_flops[dtype] * self.matmul_efficiency
 
 
+# Adam reads and writes the parameter and both moments and reads the gradient: 28 bytes per fp32
+# element, memory-bound on a GPU; and each saved activation byte is read and written by about
+# this many element-wise kernels over a forward and backward (an assumption)
+ADAM_BYTES, ELEMENTWISE_PASSES = 28, 10
+HBM_NOTE = "assumption: Adam's step is memory-bound, 28 bytes moved per fp32 element at the HBM bandwidth, {bw}"
+PASSES_NOTE = ("assumption: each saved activation byte passes through memory about 10 times in the element-wise "
+               "kernels of a forward and backward, at the HBM bandwidth, {bw}")
+
+
 def _h100_8x() -> Cluster:
     datasheet = "NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (sparsity figures halved)"
     return Cluster(
@@ -80,8 +93,11 @@ def _h100_8x() -> Cluster:
         peak_flops={"fp32": 67 * TERA, "tf32": 494.7 * TERA, "bf16": 989.4 * TERA, "fp16": 989.4 * TERA},
         matmul_efficiency=0.6, device_memory=80 * GiB, host_memory=2 * 1024 * GB,
         intra=Link(bandwidth=450 * GB, latency=3.4e-6), inter=Link(bandwidth=50 * GB, latency=14e-6),
+        optimizer_rate=3350 * GB / ADAM_BYTES, elementwise_rate=3350 * GB / ELEMENTWISE_PASSES,
         sources={
             "peak_flops": datasheet,
+            "optimizer_rate": HBM_NOTE.format(bw="3.35 TB/s (H100 SXM5 datasheet)"),
+            "elementwise_rate": PASSES_NOTE.format(bw="3.35 TB/s"),
             "matmul_efficiency": "assumption: large bf16 GEMMs reach 60-75% of peak on H100 and whole "
                                  "training steps less; 0.6 is the planner's default, not a measurement",
             "device_memory": "H100 SXM5 datasheet: 80 GB HBM3",
@@ -101,8 +117,11 @@ def _a100_8x() -> Cluster:
         peak_flops={"fp32": 19.5 * TERA, "tf32": 156 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
         matmul_efficiency=0.6, device_memory=80 * GiB, host_memory=2 * 1024 * GB,
         intra=Link(bandwidth=300 * GB, latency=3.4e-6), inter=Link(bandwidth=25 * GB, latency=14e-6),
+        optimizer_rate=2039 * GB / ADAM_BYTES, elementwise_rate=2039 * GB / ELEMENTWISE_PASSES,
         sources={
             "peak_flops": datasheet,
+            "optimizer_rate": HBM_NOTE.format(bw="2.04 TB/s (A100 80GB SXM datasheet)"),
+            "elementwise_rate": PASSES_NOTE.format(bw="2.04 TB/s"),
             "matmul_efficiency": "assumption: as for h100-8x; Megatron-LM reports 40-52% MFU of whole steps "
                                  "on A100 (Narayanan et al., SC 2021), GEMMs alone reach more",
             "device_memory": "A100 80GB SXM datasheet: 80 GB HBM2e",

@@ -45,7 +45,8 @@ exit status 2, as everywhere in the CLI.
       activation_checkpointing   whether this row checkpoints (tried when it does not fit without)
       session         the pt.Session(...) line that runs it
       fits            device_peak is within the cluster's device memory
-      step_seconds    compute_seconds + exposed_comm_seconds + bubble_seconds (step_time.py)
+      step_seconds    compute_seconds + exposed_comm_seconds + bubble_seconds + optimizer_seconds
+                      (step_time.py; compute includes the element-wise work)
       comm_seconds    every collective's time, hidden by compute or not
       per_device_per_second      tokens (or samples, without a sequence) per second per device
       mfu             the model's FLOPs per step / (step_seconds × devices × peak FLOP/s)

@@ -12,6 +12,8 @@ forward and backward, not the recompute) over the step time times the devices' p
 
 from __future__ import annotations
 
+import dataclasses
+
 from paratrain.parallel.base import Strategy
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.hierarchical import Hierarchical
@@ -64,10 +66,21 @@ def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Clus
 
 
 def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, cluster: Cluster, *, gpus: int, nodes: int,
-          facts: ModelFacts) -> step_time.StepTime:
+                 facts: ModelFacts) -> step_time.StepTime:
+    """`strategy`'s step on `gpus` devices of `cluster` (step_time.py), the optimizer step included."""
     compute = step_time.Compute.of(step.flops_forward, step.flops_backward, cluster, FLOPS_DTYPE[facts.precision],
-                                   world=gpus, nodes=nodes)
+                                   world=gpus, nodes=nodes, activation_bytes=step.activation_bytes)
     sent = traffic(source.build(), strategy, world=gpus, local_world=min(gpus, cluster.gpus_per_node))
+    seconds = _collectives(strategy, compute, sent, cluster, gpus=gpus, nodes=nodes, step=step)
+    stepped = sum(n for n, _ in sent.buckets) if sent.buckets else facts.trainable_params
+    if isinstance(strategy, ZeRO):
+        stepped //= gpus  # each rank steps its slice
+    optimizer = step_time.optimizer_seconds(stepped, cluster, world=gpus, nodes=nodes)
+    return dataclasses.replace(seconds, optimizer=optimizer)
+
+
+def _collectives(strategy: Strategy, compute: step_time.Compute, sent, cluster: Cluster, *, gpus: int, nodes: int,
+                 step: StepCount) -> step_time.StepTime:
     elements, sizes = [n for n, _ in sent.buckets], [b for _, b in sent.buckets]
     group = Group(gpus, nodes if gpus % nodes == 0 else 1)
     if isinstance(strategy, Pipeline):
@@ -92,7 +105,7 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
 def _speed(seconds: step_time.StepTime, facts: ModelFacts, cluster: Cluster, gpus: int) -> dict:
     model_flops = facts.step.flops_forward + facts.step.flops_backward
     peak = cluster.peak_flops[FLOPS_DTYPE[facts.precision]]
-    return {"step_seconds": seconds.total, "compute_seconds": seconds.compute,
+    return {"step_seconds": seconds.total, "compute_seconds": seconds.compute, "optimizer_seconds": seconds.optimizer,
             "exposed_comm_seconds": seconds.exposed_comm, "bubble_seconds": seconds.bubble,
             "comm_seconds": seconds.comm, "per_device_per_second": facts.tokens / seconds.total / gpus,
             "mfu": model_flops / (seconds.total * gpus * peak)}
@@ -121,14 +134,15 @@ def describe_plan(rows: list[dict], *, gpus: int, cluster: Cluster, per: str, si
     lines = [f"step time per strategy on {gpus} {cluster.name} device(s) ({nodes_for(gpus, cluster)} node(s)); "
              f"fits: device peak within {size(cluster.device_memory)}:",
              f"  {'strategy':<22}{'device peak':>12}{'fits':>6}{'step s':>10}{'compute':>10}{'exposed':>10}"
-             f"{'bubble':>10}{per + 's/s/dev':>14}{'MFU':>7}"]
+             f"{'bubble':>10}{'optimizer':>10}{per + 's/s/dev':>14}{'MFU':>7}"]
     for row in rows:
         if "error" in row:
             continue
         name = _label(row)
         lines.append(f"  {name:<22}{size(row['device_peak']):>12}{'yes' if row['fits'] else 'no':>6}"
                      f"{row['step_seconds']:>10.3g}{row['compute_seconds']:>10.3g}{row['exposed_comm_seconds']:>10.3g}"
-                     f"{row['bubble_seconds']:>10.3g}{row['per_device_per_second']:>14.4g}{row['mfu']:>7.1%}")
+                     f"{row['bubble_seconds']:>10.3g}{row['optimizer_seconds']:>10.3g}"
+                     f"{row['per_device_per_second']:>14.4g}{row['mfu']:>7.1%}")
     best = recommend(rows)
     if best is not None:
         lines.append(f"recommended: {best['session']}  ({_label(best)}: {best['step_seconds']:.3g} s per step, "

@@ -3,10 +3,13 @@ not hide, and a pipeline's bubble.
 
 Compute: the FLOPs model_probe counted for the global batch (forward; backward with any
 recompute), times this rank's share of the batch (1/replicas; a pipeline stage also 1/stages),
-at the cluster's achievable rate for the precision (cluster.flops). Ranks beyond a node's
+at the cluster's achievable rate for the precision (cluster.flops); plus the element-wise work
+FlopCounterMode does not count (norms, activation functions, softmax, residuals, the loss): the
+saved activation bytes over the cluster's `elementwise_rate`, a third in the forward and two
+thirds in the backward. The optimizer step: the elements this rank steps over the cluster's
+`optimizer_rate`, after the backward (and before ZeRO-1/2's gather). Ranks beyond a node's
 devices share them (a CPU node running more ranks than cores): each then computes that many
-times slower. Elementwise work is not counted (FlopCounterMode counts matmuls and attention), so
-small models are predicted faster than they run.
+times slower.
 
 Communication: each collective the strategy issues, timed by comm_model.py, on one queue per
 rank (c10d runs a group's collectives in the order issued). How each overlaps with compute:
@@ -54,10 +57,11 @@ class StepTime:
     exposed_comm: float  # communication the compute does not hide
     bubble: float = 0.0  # a pipeline's idle slots
     comm: float = 0.0  # every collective's time, hidden or not
+    optimizer: float = 0.0  # the optimizer step over what this rank steps
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_comm + self.bubble
+        return self.compute + self.exposed_comm + self.bubble + self.optimizer
 
 
 @dataclass(frozen=True)
@@ -69,14 +73,27 @@ class Compute:
 
     @classmethod
     def of(cls, flops_forward: float, flops_backward: float, cluster: Cluster, dtype: str,
-           *, world: int, nodes: int = 1) -> "Compute":
-        """At the cluster's achievable rate, slowed when a node runs more ranks than devices."""
-        shared = max(1.0, world / nodes / cluster.gpus_per_node)
+           *, world: int, nodes: int = 1, activation_bytes: int = 0) -> "Compute":
+        """At the cluster's achievable rates, slowed when a node runs more ranks than devices."""
+        shared = sharing(cluster, world=world, nodes=nodes)
         rate = cluster.flops(dtype) / shared
-        return cls(flops_forward / rate, flops_backward / rate)
+        elementwise = activation_bytes * shared / cluster.elementwise_rate if cluster.elementwise_rate else 0.0
+        return cls(flops_forward / rate + elementwise / 3, flops_backward / rate + 2 * elementwise / 3)
 
     def share(self, fraction: float) -> "Compute":
         return Compute(self.forward * fraction, self.backward * fraction)
+
+
+def sharing(cluster: Cluster, *, world: int, nodes: int = 1) -> float:
+    """How many ranks share one device: more than 1 when a node runs more ranks than it has."""
+    return max(1.0, world / nodes / cluster.gpus_per_node)
+
+
+def optimizer_seconds(elements: int, cluster: Cluster, *, world: int, nodes: int = 1) -> float:
+    """The optimizer step over `elements` on one rank (0 when the cluster gives no rate)."""
+    if not cluster.optimizer_rate:
+        return 0.0
+    return elements * sharing(cluster, world=world, nodes=nodes) / cluster.optimizer_rate
 
 
 def bucket_overlap(backward: float, bucket_elements: list[int], reduce_times: list[float]) -> float:
