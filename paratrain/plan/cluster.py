@@ -145,12 +145,15 @@ def _cpu_here() -> Cluster:
         intra=Link(bandwidth=3.5 * GB, latency=190e-6), inter=Link(bandwidth=3.5 * GB, latency=190e-6),
         collective_links={"all_reduce": Link(2.0 * GB, 170e-6), "reduce_scatter": Link(0.6 * GB, 400e-6),
                           "all_gather": Link(1.2 * GB, 270e-6), "broadcast": Link(4.5 * GB, 140e-6)},
+        optimizer_rate=340e6, elementwise_rate=3.7 * GB,
         sources={
             "all": "paratrain plan --calibrate on the 2-core development machine, 2026-11-25, under load; "
                    "run `paratrain plan --calibrate cpu.json` on a quiet machine and pass --cluster cpu.json",
             "peak_flops": "achieved 1024x1024 matmul rate on one thread (a device is one core)",
             "collective_links": "gloo at world 2 over loopback, least-squares alpha and beta per collective",
             "inter": "assumption: one node only; the same loopback as intra",
+            "optimizer_rate, elementwise_rate": "calibrate.optimizer_rate / elementwise_rate on one thread, "
+                                                "2026-11-26, quiet machine",
         })
 
 
