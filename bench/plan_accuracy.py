@@ -17,7 +17,7 @@ threshold fixed so that freed blocks leave RSS (common.py; it slows each step by
 faults, hence the separate job); the larger rank's.
 
 Predicted, from the same model built on the meta device: the fullest rank's device peak
-(plan/memory.py, with model_probe's activations for the global batch) and the step time
+(plan/memory.py, with model_probe's activations for the global batch and the runs' loss) and the step time
 (plan/recommend.predict_time: step_time.py over traffic.py's messages) on the cluster file,
 `--cluster`, or one `paratrain plan --calibrate` writes first into bench/results/cpu_calibration.json.
 Targets (issue 12): step time within 15 %, peak memory within 10 %, in every case.
@@ -92,6 +92,11 @@ def _rank(topo, model_name: str, case: str, steps: int, warmup: int, memory: boo
     return {"times": times, "peak_mb": peak_rss_mb() - base}
 
 
+def _planned_loss(out: torch.Tensor) -> torch.Tensor:
+    """The runs' loss for the planner's fake forward: cross-entropy (what it saves counts)."""
+    return _loss(out, torch.zeros(out.shape[:-1], dtype=torch.long))
+
+
 def measure(model: str, case: str, world: int, args: argparse.Namespace) -> dict:
     ranks = run_on_ranks(_rank, world, model, case, args.steps, args.warmup, False, threads=1, timeout=600)
     slowest = [max(step) for step in zip(*(r["times"] for r in ranks))]
@@ -103,7 +108,7 @@ def predicted(model: str, case: str, world: int, cluster) -> dict:
     source = resolve(FACTORY[model])
     seq = SEQ if model == "transformer" else None
     batch = GLOBAL_BATCH[model] // (SEQ if seq else 1)
-    facts = model_facts(source, batch, seq, activation_checkpointing=None)
+    facts = model_facts(source, batch, seq, activation_checkpointing=None, loss_fn=_planned_loss)
     strategy = strategy_of(case, model)
     ranks = predict(source.build(), strategy, world=world, optimizer="adam",
                     activation_bytes=facts.step.activation_bytes)
