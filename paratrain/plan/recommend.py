@@ -76,6 +76,8 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
     if isinstance(strategy, ZeRO):
         stepped //= gpus  # each rank steps its slice
     optimizer = step_time.optimizer_seconds(stepped, cluster, world=gpus, nodes=nodes)
+    if cluster.device == "cpu":  # gloo reduces on the cores that compute: nothing overlaps (step_time.py)
+        seconds = dataclasses.replace(seconds, exposed_comm=max(seconds.exposed_comm, seconds.comm))
     return dataclasses.replace(seconds, optimizer=optimizer)
 
 

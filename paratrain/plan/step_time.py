@@ -35,9 +35,11 @@ rank (c10d runs a group's collectives in the order issued). How each overlaps wi
         per slot; the bubble is the (p − 1) slots. Replicas of a stage all-reduce its gradients
         after the last micro-batch's backward, which hides a slot's backward of it.
 
-What it leaves out: the optimizer step itself, kernel launch and Python overhead, compute slowed
-by communication sharing memory bandwidth or CPU cores (gloo reduces on the CPU: on
-`cpu-here` the collectives compete with the compute they overlap), and imbalance between stages.
+On a CPU cluster nothing overlaps: gloo reduces on the cores that compute, so every collective
+is exposed (recommend.predict_time). What it leaves out: kernel launch and Python overhead,
+compute slowed by communication sharing memory bandwidth, ranks sharing cores beyond the compute
+(a CPU node running more ranks than cores also slows their collectives), and imbalance between
+stages.
 """
 
 from __future__ import annotations
