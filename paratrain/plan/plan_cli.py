@@ -71,10 +71,9 @@ from paratrain.plan.memory_table import describe_memory, memory_rows
 from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts
 from paratrain.plan.model_source import PRESETS as MODELS
 from paratrain.plan.model_source import resolve
-from paratrain.plan.recommend import describe_plan, plan_rows, recommend, smallest_fit
+from paratrain.plan.recommend import FLOPS_DTYPE, describe_plan, plan_rows, recommend, smallest_fit
 
 SCHEMA = "paratrain.plan/0"
-FLOPS_DTYPE = {"32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # the cluster's rate for each precision
 QUICK = Settings(sizes=(2**12, 2**18, 2**20), repeats=2, trials=2, matmul_size=256, matmul_seconds=0.2)
 
 

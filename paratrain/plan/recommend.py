@@ -60,7 +60,8 @@ def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Clus
             out.append(row)
             continue
         seconds = predict_time(source, strategy, step, cluster, gpus=gpus, nodes=nodes, facts=facts)
-        out.append({**row, "activation_checkpointing": bool(step.checkpointed), "session": session_line(strategy, step, facts.precision),
+        out.append({**row, "activation_checkpointing": bool(step.checkpointed),
+                    "session": session_line(strategy, step, facts.precision),
                     "fits": row["device_peak"] <= cluster.device_memory, **_speed(seconds, facts, cluster, gpus)})
     return out
 
@@ -160,7 +161,7 @@ def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gp
     """What would make the model fit when no strategy does: more devices, offload, a smaller batch."""
     step = facts.checkpointed or facts.step
     ac = " with activation checkpointing" if facts.checkpointed else ""
-    zero3 = [ZeRO(stage=3)]
+    zero3 = ZeRO(stage=3)
 
     def peak(n: int, strategy: Strategy, activations: int) -> int:
         row = memory_rows(source, gpus=n, gpus_per_node=min(n, cluster.gpus_per_node), optimizer=optimizer,
@@ -169,12 +170,12 @@ def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gp
 
     ways = []
     more = next((n for n in (2 ** k for k in range(11)) if n > gpus and
-                 peak(n, zero3[0], step.activation_bytes) <= cluster.device_memory), None)
+                 peak(n, zero3, step.activation_bytes) <= cluster.device_memory), None)
     if more:
         ways.append(f"{more} devices under zero3{ac}")
     if peak(gpus, ZeRO(stage=3, offload=True), step.activation_bytes) <= cluster.device_memory:
         ways.append(f"zero3 with offload{ac} on {gpus}")
-    fixed = peak(gpus, zero3[0], 0)
+    fixed = peak(gpus, zero3, 0)
     per_sample = step.activation_bytes / facts.batch
     if fixed < cluster.device_memory and per_sample and (batch := int((cluster.device_memory - fixed) / per_sample * gpus)):
         ways.append(f"a batch of at most {min(batch, facts.batch - 1)} under zero3{ac} on {gpus}")
