@@ -11,7 +11,10 @@ it was when the launcher stopped it. The blame goes, in this order, to
 2. a rank that exited cleanly (exit code 0) while the others still ran: they failed waiting.
    A rank that ran its script to the end and then crashed as the process exited (gloo can abort
    in teardown while a peer still waits on it) counts here too, not as a failure of its own;
-3. a rank the launcher stopped outside any collective while another gave up waiting in one;
+3. a rank the launcher stopped outside any collective while another gave up waiting in one
+   (a rank whose note says it was already failing, an exception or a collective given up, is
+   not "stopped" though the launcher's SIGTERM reached it first: its status is then 1, as its
+   exception would have left it);
 4. failing all of these, the agent's first failure, with what every rank was waiting in.
 
 One failure is no failure of the job: every rank ran its script to the end (its exit handlers
@@ -48,6 +51,9 @@ from paratrain import hang_report
 _LIBRARIES = tuple({os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
                     *(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "purelib", "platlib")), "<"})
 _FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
+
+
+FAILING = ("exception", "collective")  # a note's kinds for a rank that was failing on its own
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,9 @@ def _teardown_line(ends: dict[int, RankEnd]) -> str:
 def summarize(ends: dict[int, RankEnd], first_rank: int) -> tuple[list[str], int]:
     """The summary's lines, and the exit code of the failed rank they name first."""
     failed = [e for e in ends.values() if e.exitcode != 0]
-    stopped = [e for e in failed if e.rank != first_rank and _stopped(e)]
+    # a rank whose note says it was already failing (an exception, or giving up in a collective)
+    # failed on its own, though the launcher's SIGTERM reached it before its exit did
+    stopped = [e for e in failed if e.rank != first_rank and _stopped(e) and e.kind not in FAILING]
     waited = _by_time([e for e in failed if e.kind == "collective" and e not in stopped], first_rank)
     finished = [e for e in failed if e.kind == "exit" and e not in stopped]  # crashed in teardown
     own = _by_time([e for e in failed if e not in stopped + waited + finished], first_rank) or (
@@ -140,7 +148,8 @@ def summarize(ends: dict[int, RankEnd], first_rank: int) -> tuple[list[str], int
         lines.append("also failed: " + ", ".join(f"rank {e.rank} ({_exit(e.exitcode)})" for e in others))
     if stopped:
         lines.append("then stopped by the launcher: " + ", ".join(f"rank {e.rank}" for e in stopped))
-    return lines, named.exitcode
+    # killed while leaving with an exception: the status its exception would have given
+    return lines, 1 if named.kind in FAILING and named.exitcode < 0 else named.exitcode
 
 
 def _by_time(ends: list[RankEnd], first_rank: int) -> list[RankEnd]:

@@ -229,3 +229,16 @@ def test_a_rank_that_aborts_after_its_script_ended_does_not_fail_the_job(tmp_pat
     else:
         assert done.returncode == 128 + signal.SIGABRT, done.stderr[-3000:]
         assert "rank 0 failed (killed by SIGABRT" in done.stderr and "ran its script to the end" not in done.stderr
+
+
+def test_a_rank_stopped_while_it_was_giving_up_in_a_collective_is_not_called_stopped():
+    """Seen in CI: rank 1 skipped an all-reduce, ran to the end and crashed in teardown; rank 0 had
+    already given up waiting ("connection closed by peer", its note written) when the launcher's
+    SIGTERM reached it. Rank 1's early exit is the fault; the job's status is rank 0's exception's."""
+    ends = {0: _end(0, -signal.SIGTERM, "collective", t=2.0, error="RuntimeError: Connection closed by peer"),
+            1: _end(1, -signal.SIGABRT, "exit", t=1.0)}
+    lines, status = postmortem.summarize(ends, first_rank=1)
+    assert lines[0].startswith("rank 1 ran to the end of the script (then was killed by SIGABRT as the "
+                               "process exited) at "), lines
+    assert lines[1].startswith("rank 0 gave up waiting in a collective (killed by SIGTERM, pid 100)"), lines
+    assert status == 1 and not any(line.startswith("then stopped by the launcher") for line in lines)
