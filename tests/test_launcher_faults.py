@@ -242,3 +242,15 @@ def test_a_rank_stopped_while_it_was_giving_up_in_a_collective_is_not_called_sto
                                "process exited) at "), lines
     assert lines[1].startswith("rank 0 gave up waiting in a collective (killed by SIGTERM, pid 100)"), lines
     assert status == 1 and not any(line.startswith("then stopped by the launcher") for line in lines)
+
+
+def test_a_rank_stopped_while_still_waiting_for_one_that_finished_early_is_its_victim():
+    """The same job, the other order: the launcher stopped rank 0 while it still waited in the
+    all-reduce rank 1 never issued, before it gave up (its note: running)."""
+    ends = {0: _end(0, -signal.SIGTERM, "running", stack=IN_ALL_REDUCE, t=0.5),
+            1: _end(1, -signal.SIGABRT, "exit", t=1.0)}
+    lines, status = postmortem.summarize(ends, first_rank=1)
+    assert lines[0].startswith("rank 1 ran to the end of the script (then was killed by SIGABRT as the "
+                               "process exited) at "), lines
+    assert lines[0].endswith("while rank 0 was still training; the others then failed waiting for it")
+    assert lines[1] == "rank 0 was waiting in all_reduce when the launcher stopped it" and status == 1
