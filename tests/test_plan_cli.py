@@ -189,3 +189,23 @@ def test_a_model_that_fits_nowhere_says_what_would_fit(capsys):
     assert "no strategy fits llama-2-70b in 80 GiB per device on 8 h100-8x device(s); it would fit with " \
            "16 devices under zero3 with activation checkpointing" in err
     assert "ddp +ckpt" in out  # what did not fit was tried again with checkpointing
+
+
+def test_png_draws_throughput_and_memory_from_1_to_1024_devices(capsys, tmp_path):
+    from paratrain.plan.scaling import COUNTS, at_batch, scaling
+
+    png = tmp_path / "scaling.png"
+    code, out, err = run(capsys, "models:MLP", "--batch", "8", "--gpus", "2", "--cluster", "a100-8x", "--png", str(png))
+    assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    facts = model_facts(resolve("models:MLP"), 8)
+    doubled = at_batch(facts, 16)  # FLOPs and saved bytes are linear in the batch
+    assert doubled.step.flops_forward == 2 * facts.step.flops_forward
+    assert doubled.step.activation_bytes == 2 * facts.step.activation_bytes
+    assert doubled.step.activation_bytes == model_facts(resolve("models:MLP"), 16).step.activation_bytes
+    points = scaling(resolve("models:MLP"), facts, preset("a100-8x"), optimizer="adam", per_device=4)
+    assert sorted(points) == list(COUNTS) == [2**k for k in range(11)]
+    ddp = {n: next(r for r in rows if r["strategy"] == "ddp") for n, rows in points.items()}
+    assert ddp[1]["exposed_comm_seconds"] == 0 and ddp[16]["exposed_comm_seconds"] > ddp[8]["exposed_comm_seconds"]
+    code, _, err = run(capsys, "models:MLP", "--gpus", "2", "--png", str(png))  # no cluster to time on
+    assert code == 2 and "--png draws the strategies' predictions: give --gpus N and --cluster too" in err

@@ -2,13 +2,15 @@
 `paratrain plan --calibrate OUT.json`: measure this machine into a cluster file (calibrate.py).
 
     paratrain plan gpt2-xl --batch 8 --seq 1024 --precision bf16 [--cluster h100-8x] [--gpus 8] [--json]
+    paratrain plan gpt2-xl --gpus 8 --cluster h100-8x --batch 8 --seq 1024 --png scaling.png
     paratrain plan mypackage.models:build --batch 32
     paratrain plan --calibrate cpu.json
 
 It prints the model's facts and, with `--gpus N`, each strategy's memory per rank on N devices
 (memory_table.py, memory.py; `--batch` is the global batch); with `--cluster` too, each one's
 step time, throughput and MFU, and the plan to use (recommend.py, step_time.py, traffic.py).
-A model that no strategy fits is exit status 2, with what would make it fit.
+A model that no strategy fits is exit status 2, with what would make it fit. `--png FILE` draws
+the leading strategies' throughput and memory per device from 1 to 1,024 devices (scaling.py).
 Bad input (an unknown model, preset or file, a factory that raises) is one line on stderr and
 exit status 2, as everywhere in the CLI.
 
@@ -72,6 +74,7 @@ from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts
 from paratrain.plan.model_source import PRESETS as MODELS
 from paratrain.plan.model_source import resolve
 from paratrain.plan.recommend import FLOPS_DTYPE, describe_plan, plan_rows, recommend, smallest_fit
+from paratrain.plan.scaling import draw, leaders, scaling
 
 SCHEMA = "paratrain.plan/0"
 QUICK = Settings(sizes=(2**12, 2**18, 2**20), repeats=2, trials=2, matmul_size=256, matmul_seconds=0.2)
@@ -97,6 +100,8 @@ def add_plan_parser(commands) -> None:
     plan.add_argument("--gpus", type=int, metavar="N", help="also predict each strategy's memory per rank on N devices")
     plan.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam",
                       help="whose state the memory table counts (default: adam)")
+    plan.add_argument("--png", metavar="FILE", help="with --gpus and --cluster: draw predicted throughput and "
+                      "memory per device against 1 to 1,024 devices for the leading strategies (plan/scaling.py)")
     plan.add_argument("--json", action="store_true", help="one JSON object (schema: paratrain/plan/plan_cli.py)")
     plan.add_argument("--calibrate", metavar="OUT.json", help="measure this machine and write a cluster file")
     plan.add_argument("--quick", action="store_true", help="with --calibrate: fewer, smaller measurements")
@@ -122,6 +127,8 @@ def plan(args: argparse.Namespace) -> None:
     best = recommend(rows) if timed else None
     advice = None if best is not None or not timed else \
         smallest_fit(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer)
+    if args.png:
+        _draw_scaling(args, facts, cluster, rows)
     if args.json:
         print(json.dumps({**to_json(facts, cluster, args.calibrate), "strategies": rows,
                           "recommended": best["session"] if best else None, "fit_advice": advice}, indent=2))
@@ -139,6 +146,15 @@ def plan(args: argparse.Namespace) -> None:
     if advice is not None:
         raise ConfigError(f"no strategy fits {facts.name} in {_bytes(cluster.device_memory)} per device on "
                           f"{args.gpus} {cluster.name} device(s); {advice}")
+
+
+def _draw_scaling(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None, rows: list[dict] | None) -> None:
+    if rows is None or cluster is None:
+        raise ConfigError("--png draws the strategies' predictions: give --gpus N and --cluster too")
+    per_device = max(1, facts.batch // args.gpus)
+    points = scaling(resolve(args.model), facts, cluster, optimizer=args.optimizer, per_device=per_device)
+    draw(points, leaders(rows), args.png, per="token" if facts.seq else "sample", device_memory=cluster.device_memory,
+         title=f"{facts.name} on {cluster.name}, {per_device} sample(s) per device, precision {facts.precision}")
 
 
 def _memory(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None) -> list[dict]:
