@@ -197,6 +197,18 @@ MUTANTS = [
            (("    held = {r: pieces for r, pieces in candidate.items() if pieces}",
              "    held = {r: pieces for r, pieces in candidate.items() if pieces and r == min(candidate)}"),),
            ("tests/test_verify.py::test_injected_bugs_are_named_with_their_step_parameter_and_rank",)),
+    Mutant("meta-unset-silent", "a meta-built tensor no owner sets is left as garbage, unnamed",
+           "paratrain/materialize.py",
+           (("        if unset:\n            names =", "        if False:\n            names ="),),
+           ("tests/test_meta_init.py::test_a_tensor_that_no_owner_sets_is_named_not_left_as_garbage",)),
+    Mutant("teardown-forgiven-running", "a job whose rank was still in its script counts as finished",
+           "paratrain/postmortem.py",
+           (("    return all(e.kind == \"exit\" for e in ends.values()) and", "    return all(e.kind in (\"exit\", \"running\") for e in ends.values()) and"),),
+           ("tests/test_launcher_faults.py::test_a_teardown_crash_after_every_rank_finished_is_no_failure_of_the_job",)),
+    Mutant("plan-ddp-no-overlap", "the planner charges DDP's whole all-reduce after the backward",
+           "paratrain/plan/step_time.py",
+           (("        end = max(backward * done / total, end) + seconds", "        end = max(backward, end) + seconds"),),
+           ("tests/test_plan_step_time.py",)),
 ]
 
 
