@@ -182,16 +182,21 @@ def bucket_layout(params: list[nn.Parameter], caps: list[int], reduction: Reduct
     return first_grad_layout(params, caps, reduction, find_unused)
 
 
+def data_parallel_layout(trainable: list[nn.Parameter], strategy: DDP, local_world: int,
+                         arrival: list[nn.Parameter] | None = None) -> tuple[Reduction, list[list[nn.Parameter]]]:
+    """DDP's (hierarchical's: padded to the node's size) reduction and gradient buckets at rest."""
+    reduction: Reduction = AllReduce()
+    if isinstance(strategy, Hierarchical):
+        reduction = HierarchicalReduction(NodeGroups(None, None, tuple(range(local_world)), ()))
+    return reduction, bucket_layout(trainable, bucket_caps(strategy.bucket_cap_mb, None), reduction,
+                                    strategy.find_unused_parameters, arrival)
+
+
 def _data_parallel(m: _Model, strategy: DDP, local_world: int, arrival) -> RankMemory:
     """DDP and hierarchical: whole parameters and optimizer; gradients are bucket views."""
-    if isinstance(strategy, Hierarchical):
-        if m.world % local_world:
-            raise ConfigError(f"hierarchical needs whole nodes: world {m.world}, {local_world} per node")
-        reduction: Reduction = HierarchicalReduction(NodeGroups(None, None, tuple(range(local_world)), ()))
-    else:
-        reduction = AllReduce()
-    layout = bucket_layout(m.trainable, bucket_caps(strategy.bucket_cap_mb, None), reduction,
-                            strategy.find_unused_parameters, arrival)
+    if isinstance(strategy, Hierarchical) and m.world % local_world:
+        raise ConfigError(f"hierarchical needs whole nodes: world {m.world}, {local_world} per node")
+    reduction, layout = data_parallel_layout(m.trainable, strategy, local_world, arrival)
     sizes = [buffer_numel(b, reduction.pad_to) * b[0].dtype.itemsize for b in layout]
     plain = _plain(m.state, list(m.module.parameters()), 0)
     chunks = sum(s // reduction.pad_to for s in sizes) if isinstance(strategy, Hierarchical) else 0
@@ -205,14 +210,20 @@ def meta_like(params: list[nn.Parameter], dtype: torch.dtype | None) -> dict[nn.
     return {p: nn.Parameter(torch.empty(p.shape, dtype=dtype or p.dtype, device="meta")) for p in params}
 
 
-def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
-    """Stages 1 and 2 (stage12.py, [Note: master shards])."""
-    stand = meta_like(m.trainable, strategy.param_dtype)
-    original = {s: p for p, s in stand.items()}
-    reduction = OwnerReduction(group=None, rank=0, world=m.world,
-                               group_of={s: m.group_of[p] for p, s in stand.items()})
+def zero12_layout(trainable: list[nn.Parameter], strategy: ZeRO, world: int, group_of: dict[nn.Parameter, int]
+                  ) -> tuple[OwnerReduction, list[list[nn.Parameter]], dict[nn.Parameter, nn.Parameter]]:
+    """ZeRO-1/2's owners' reduction and buckets, laid out on stand-ins in param_dtype, and each
+    stand-in's original parameter."""
+    stand = meta_like(trainable, strategy.param_dtype)
+    reduction = OwnerReduction(group=None, rank=0, world=world, group_of={s: group_of[p] for p, s in stand.items()})
     layout = first_grad_layout(list(stand.values()), bucket_caps(strategy.bucket_cap_mb, None), reduction,
                                find_unused=False)
+    return reduction, layout, {s: p for p, s in stand.items()}
+
+
+def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
+    """Stages 1 and 2 (stage12.py, [Note: master shards])."""
+    reduction, layout, original = zero12_layout(m.trainable, strategy, m.world, m.group_of)
     flats = [(buffer_numel(b, reduction.pad_to), b[0].dtype, original[b[0]].dtype) for b in layout]
     compute = sum(n * dt.itemsize for n, dt, _ in flats)
     masters = strategy.param_dtype is not None or strategy.offload
@@ -228,14 +239,24 @@ def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
                       host=2 * master_bytes + optimizer if strategy.offload else 0)
 
 
+def zero3_flats(model: nn.Module, strategy: ZeRO, group_of: dict[nn.Parameter, int]) -> dict[str, list[list[nn.Parameter]]]:
+    """Each ZeRO-3 unit's flat shards' parameters (stage3.py), the wrap policy's units in model
+    order, then the root ("")."""
+    units = params_by_unit(owners_by_param(model), strategy.wrap_policy.select(model))
+    return {name: flats_of(params, group_of) for name, params in units.items()}
+
+
+def stage_layout(trainable: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """A pipeline stage's gradient buckets, which its replicas all-reduce (stage.py)."""
+    return first_grad_layout(trainable, default_caps(), AllReduce(), find_unused=True)
+
+
 def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
     """Stage 3 (stage3.py, flat_shard.py): one flat shard per unit and param group."""
-    owners = owners_by_param(m.module)
-    units = params_by_unit(owners, strategy.wrap_policy.select(m.module))
     full: dict[str, list[int]] = {}  # unit → its flats' full bytes
     shards: list[tuple[int, torch.dtype]] = []  # each flat's shard: (elements, dtype)
-    for name, params in units.items():
-        for members in flats_of(params, m.group_of):
+    for name, flats in zero3_flats(m.module, strategy, m.group_of).items():
+        for members in flats:
             padded = padded_numel(sum(p.numel() for p in members), m.world)
             shards.append((padded // m.world, members[0].dtype))
             full.setdefault(name, []).append(padded * (strategy.param_dtype or members[0].dtype).itemsize)
@@ -261,8 +282,7 @@ def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
     for s, held in enumerate(strategy.holdings(m.module)):
         params = list({id(p): p for p in held}.values())
         trainable = [p for p in params if p.requires_grad]
-        layout = first_grad_layout(trainable, default_caps(), AllReduce(), find_unused=True)
-        grads = sum(buffer_numel(b, 1) * b[0].dtype.itemsize for b in layout)
+        grads = sum(buffer_numel(b, 1) * b[0].dtype.itemsize for b in stage_layout(trainable))
         micro = strategy.microbatches
         in_flight = micro if strategy.schedule == "gpipe" else min(micro, strategy.stages - s)
         activations = m.activation_bytes * in_flight // (replicas * strategy.stages * micro)

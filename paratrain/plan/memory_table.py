@@ -23,7 +23,7 @@ def strategies(gpus: int, batch: int | None = None) -> list[Strategy]:
     micro-batches are the most, up to 4 per stage, that divide its replica's share of `batch`."""
     chosen: list[Strategy] = [Single()] if gpus == 1 else []
     chosen += [DDP(), Hierarchical(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3)]
-    stages = [gpus] + ([2] if gpus >= 4 and gpus % 2 == 0 else []) if gpus > 1 else []
+    stages = [] if gpus == 1 else [gpus, 2] if gpus >= 4 and gpus % 2 == 0 else [gpus]
     return chosen + [Pipeline(stages=s, microbatches=_microbatches(s, (batch or 4 * s) * s // gpus)) for s in stages]
 
 

@@ -18,44 +18,40 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.grid import NodeGroups
 from paratrain.parallel.base import Strategy
-from paratrain.parallel.buckets import AllReduce, buffer_numel, default_caps, padded_numel
-from paratrain.parallel.ddp import DDP, bucket_caps
-from paratrain.parallel.grad_sync import first_grad_layout
-from paratrain.parallel.hierarchical import Hierarchical, HierarchicalReduction
+from paratrain.parallel.buckets import buffer_numel, padded_numel
+from paratrain.parallel.ddp import DDP
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.single import Single
 from paratrain.parallel.zero import ZeRO
-from paratrain.parallel.zero.owner_reduction import OwnerReduction
-from paratrain.parallel.zero.units import flats_of, owners_by_param, params_by_unit
-from paratrain.plan.memory import bucket_layout, meta_like
+from paratrain.plan.memory import data_parallel_layout, stage_layout, zero12_layout, zero3_flats
 
 
 @dataclass(frozen=True)
 class Traffic:
     """One rank's messages per step (module docstring); sizes in elements and bytes."""
 
-    buckets: list[tuple[int, int]] = field(default_factory=list)  # reduced in this order: (elements, bytes)
+    buckets: list[tuple[int, int]] = field(default_factory=list)  # reduced in this order: (elements, bytes);
+    # zero3: its units in forward order, each gathered and then reduced
     gathers: list[int] = field(default_factory=list)  # zero1/2: bytes gathered back after the step
-    units: list[tuple[int, int]] = field(default_factory=list)  # zero3, forward order: (elements, bytes)
 
 
 def traffic(model: nn.Module, strategy: Strategy, *, world: int, local_world: int | None = None) -> Traffic:
     """What `strategy` sends on each of `world` ranks training `model` (possibly on the meta device)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
     if isinstance(strategy, Single):
         return Traffic()
     if isinstance(strategy, Pipeline):
         return _pipeline(model, strategy)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    one_group = {p: 0 for p in trainable}  # the planner's optimizer has one param group
+    if isinstance(strategy, ZeRO) and strategy.stage == 3:
+        return _zero3(model, strategy, world, one_group)
     if isinstance(strategy, ZeRO):
-        return _zero3(model, strategy, world) if strategy.stage == 3 else _zero12(trainable, strategy, world)
+        reduction, layout, _ = zero12_layout(trainable, strategy, world, one_group)
+        buckets = [_sized(b, reduction.pad_to) for b in layout]
+        return Traffic(buckets=buckets, gathers=[nbytes for _, nbytes in buckets])
     if isinstance(strategy, DDP):
-        reduction = AllReduce()
-        if isinstance(strategy, Hierarchical):
-            reduction = HierarchicalReduction(NodeGroups(None, None, tuple(range(local_world or world)), ()))
-        layout = bucket_layout(trainable, bucket_caps(strategy.bucket_cap_mb, None), reduction,
-                               strategy.find_unused_parameters, None)
+        reduction, layout = data_parallel_layout(trainable, strategy, local_world or world)
         return Traffic(buckets=[_sized(b, reduction.pad_to) for b in layout])
     raise ConfigError(f"no traffic model for strategy {strategy.name!r}")
 
@@ -65,31 +61,18 @@ def _sized(bucket: list[nn.Parameter], pad_to: int) -> tuple[int, int]:
     return n, n * bucket[0].dtype.itemsize
 
 
-def _zero12(trainable: list[nn.Parameter], strategy: ZeRO, world: int) -> Traffic:
-    stand = list(meta_like(trainable, strategy.param_dtype).values())
-    reduction = OwnerReduction(group=None, rank=0, world=world, group_of={s: 0 for s in stand})
-    layout = first_grad_layout(stand, bucket_caps(strategy.bucket_cap_mb, None), reduction, find_unused=False)
-    buckets = [_sized(b, reduction.pad_to) for b in layout]
-    return Traffic(buckets=buckets, gathers=[nbytes for _, nbytes in buckets])
-
-
-def _zero3(model: nn.Module, strategy: ZeRO, world: int) -> Traffic:
-    units = params_by_unit(owners_by_param(model), strategy.wrap_policy.select(model))
-    order = [""] + [name for name in units if name]  # the root's forward starts first
+def _zero3(model: nn.Module, strategy: ZeRO, world: int, group_of: dict[nn.Parameter, int]) -> Traffic:
+    units = zero3_flats(model, strategy, group_of)
     out = []
-    for name in order:
-        trainable = [p for p in units[name] if p.requires_grad]
-        if not trainable:
-            continue
-        flats = flats_of(trainable, {p: 0 for p in trainable})
-        elements = sum(padded_numel(sum(p.numel() for p in f), world) for f in flats)
-        out.append((elements, elements * (strategy.param_dtype or trainable[0].dtype).itemsize))
-    return Traffic(buckets=out, units=out)
+    for name in [""] + [name for name in units if name]:  # the root's forward starts first
+        if flats := units[name]:
+            elements = sum(padded_numel(sum(p.numel() for p in f), world) for f in flats)
+            out.append((elements, elements * (strategy.param_dtype or flats[0][0].dtype).itemsize))
+    return Traffic(buckets=out)
 
 
 def _pipeline(model: nn.Module, strategy: Pipeline) -> Traffic:
     """The stage with the most parameters: the one the others wait for."""
     stages = [list({id(p): p for p in held if p.requires_grad}.values()) for held in strategy.holdings(model)]
     fullest = max(stages, key=lambda ps: sum(p.numel() for p in ps))
-    layout = first_grad_layout(fullest, default_caps(), AllReduce(), find_unused=True)
-    return Traffic(buckets=[_sized(b, 1) for b in layout])
+    return Traffic(buckets=[_sized(b, 1) for b in stage_layout(fullest)])
