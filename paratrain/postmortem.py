@@ -132,12 +132,12 @@ def summarize(ends: dict[int, RankEnd], first_rank: int) -> tuple[list[str], int
     stopped = [e for e in failed if e.rank != first_rank and _stopped(e) and e.kind not in FAILING]
     waited = _by_time([e for e in failed if e.kind == "collective" and e not in stopped], first_rank)
     finished = [e for e in failed if e.kind == "exit" and e not in stopped]  # crashed in teardown
-    if finished and not waited and not [e for e in failed if e not in stopped + finished]:
-        if waiting := [e for e in stopped if _collective(e.stack)]:  # stopped while waiting for them
-            return [_left_line(finished, waiting)] + [f"rank {e.rank} was waiting in {_collective(e.stack)} when "
-                                                      "the launcher stopped it" for e in waiting], 1
-    own = _by_time([e for e in failed if e not in stopped + waited + finished], first_rank) or (
-        [] if waited else _by_time(finished, first_rank))
+    alone = [e for e in failed if e not in stopped + waited + finished]  # failed on their own
+    waiting = [e for e in stopped if _collective(e.stack)]  # stopped while waiting in a collective
+    if finished and waiting and not waited and not alone:  # waiting for the ranks that finished early
+        return [_left_line(finished, waiting)] + [f"rank {e.rank} was waiting in {_collective(e.stack)} when "
+                                                  "the launcher stopped it" for e in waiting], 1
+    own = _by_time(alone, first_rank) or ([] if waited else _by_time(finished, first_rank))
     left = []
     if own:
         named, lines = own[0], [_failed(own[0])]
