@@ -53,9 +53,9 @@ def test_the_model_facts_print_and_the_json_follows_the_schema(capsys):
     got = json.loads(out)
     facts = model_facts(resolve("models:MLP"), 4, activation_checkpointing=None)
     assert got["schema"] == "paratrain.plan/0" and got["calibrated"] is None
-    assert set(got) == {"schema", "model", "cluster", "compute_seconds", "calibrated", "strategies",
+    assert set(got) == {"schema", "model", "cluster", "compute_seconds", "calibrated", "nodes", "strategies",
                         "recommended", "fit_advice"}
-    assert got["strategies"] is None and got["recommended"] is None  # no --gpus
+    assert got["strategies"] is None and got["recommended"] is None and got["nodes"] is None  # no --gpus
     model = got["model"]
     assert model["params"] == facts.params == 1721 and model["tokens"] == 4 and model["seq"] is None
     assert model["step"]["flops_forward"] == facts.step.flops_forward
@@ -108,6 +108,12 @@ def test_a_transformers_preset_with_checkpointing(capsys):
     (["plan_test_missing_module:build"], "cannot import plan_test_missing_module"),
     (["models:MLP", "--batch", "0"], "batch and seq must be at least 1"),
     (["models:MLP", "--gpus", "0"], "--gpus must be at least 1; got 0"),
+    (["models:MLP", "--gpus", "8", "--nodes", "3", "--cluster", "h100-8x"],
+     "--nodes 3 cannot hold 8 devices evenly: give a number of nodes that divides --gpus 8 (1, 2, 4, 8)"),
+    (["models:MLP", "--gpus", "16", "--nodes", "1", "--cluster", "h100-8x"],
+     "16 devices on 1 node(s) is 16 per node, but a node of h100-8x holds 8: give --nodes 2 or more"),
+    (["models:MLP", "--gpus", "6", "--nodes", "0"], "--nodes 0 cannot hold 6 devices evenly"),
+    (["models:MLP", "--nodes", "2"], "--nodes 2 spreads the devices of --gpus over nodes: give --gpus N too"),
     ([], "name a MODEL to plan, or --calibrate OUT.json"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(capsys, argv, says):
@@ -209,3 +215,51 @@ def test_png_draws_throughput_and_memory_from_1_to_1024_devices(capsys, tmp_path
     assert ddp[1]["exposed_comm_seconds"] == 0 and ddp[16]["exposed_comm_seconds"] > ddp[8]["exposed_comm_seconds"]
     code, _, err = run(capsys, "models:MLP", "--gpus", "2", "--png", str(png))  # no cluster to time on
     assert code == 2 and "--png draws the strategies' predictions: give --gpus N and --cluster too" in err
+
+
+def test_nodes_spreads_the_devices_and_the_gradients_cross_the_slower_link(capsys):
+    """The same 8 devices of h100-8x on 1 node and on 2: DDP's all-reduce leaves the node, paced by
+    InfiniBand (50 GB/s) instead of NVLink (450 GB/s), so its step is slower; each comm time is
+    comm_model's for the group, over the buckets traffic.py reads with 8 / nodes ranks per node."""
+    import paratrain as pt
+    from paratrain.plan import comm_model
+    from paratrain.plan.comm_model import Group
+    from paratrain.plan.traffic import traffic
+
+    argv = ("gpt2", "--gpus", "8", "--cluster", "h100-8x", "--batch", "8", "--seq", "64", "--precision", "bf16", "--json")
+    plans = {}
+    for nodes in (1, 2):
+        code, out, err = run(capsys, *argv, "--nodes", str(nodes))
+        assert code == 0, err
+        plans[nodes] = json.loads(out)
+        assert plans[nodes]["nodes"] == nodes
+    assert json.loads(run(capsys, *argv)[1])["nodes"] == 1  # the default: the fewest whole nodes
+    cluster = preset("h100-8x")
+    for nodes, plan in plans.items():
+        rows = {r["strategy"]: r for r in plan["strategies"]}
+        for name, strategy, reduce in (("ddp", pt.DDP(), comm_model.all_reduce),
+                                       ("hierarchical", pt.Hierarchical(), comm_model.hierarchical_all_reduce)):
+            if nodes == 1:
+                reduce = comm_model.all_reduce  # one node: hierarchical is a plain all-reduce
+            sent = traffic(resolve("gpt2").build(), strategy, world=8, local_world=8 // nodes)
+            want = sum(reduce(nbytes, Group(8, nodes), cluster) for _, nbytes in sent.buckets)
+            assert rows[name]["comm_seconds"] == pytest.approx(want, rel=1e-9)
+    one, two = ({r["strategy"]: r for r in plans[n]["strategies"]}["ddp"] for n in (1, 2))
+    assert two["comm_seconds"] > one["comm_seconds"] and two["step_seconds"] > one["step_seconds"]
+    assert two["compute_seconds"] == one["compute_seconds"]  # only the links differ
+    assert "on 8 h100-8x device(s) (2 node(s))" in run(capsys, *argv[:-1], "--nodes", "2")[1]
+
+
+def test_png_with_nodes_scales_with_that_node_size():
+    """--gpus 8 --nodes 2: nodes of 4, so 8 devices are 2 nodes and 16 are 4 (scaling.per_node)."""
+    from paratrain.plan.recommend import spread
+    from paratrain.plan.scaling import scaling
+
+    assert [spread(n, 4) for n in (1, 2, 4, 8, 16)] == [1, 1, 1, 2, 4]
+    assert [spread(n, 3) for n in (2, 4, 6, 8)] == [1, 2, 2, 4]  # evenly: 8 on nodes of at most 3 is 4 × 2
+    facts = model_facts(resolve("models:MLP"), 8)
+    by = {per_node: scaling(resolve("models:MLP"), facts, preset("h100-8x"), optimizer="adam", per_device=1,
+                            counts=(4, 8), per_node=per_node) for per_node in (4, 8)}
+    ddp = {k: {n: next(r for r in rows if r["strategy"] == "ddp") for n, rows in points.items()} for k, points in by.items()}
+    assert ddp[4][4]["comm_seconds"] == ddp[8][4]["comm_seconds"]  # one node either way
+    assert ddp[4][8]["comm_seconds"] > ddp[8][8]["comm_seconds"]  # 2 nodes of 4 against one of 8

@@ -3,6 +3,7 @@
 
     paratrain plan gpt2-xl --batch 8 --seq 1024 --precision bf16 [--cluster h100-8x] [--gpus 8] [--json]
     paratrain plan gpt2-xl --gpus 8 --cluster h100-8x --batch 8 --seq 1024 --png scaling.png
+    paratrain plan gpt2-xl --gpus 8 --nodes 2 --cluster h100-8x --batch 8 --seq 1024
     paratrain plan mypackage.models:build --batch 32
     paratrain plan --calibrate cpu.json
 
@@ -11,6 +12,10 @@ It prints the model's facts and, with `--gpus N`, each strategy's memory per ran
 step time, throughput and MFU, and the plan to use (recommend.py, step_time.py, traffic.py).
 A model that no strategy fits is exit status 2, with what would make it fit. `--png FILE` draws
 the leading strategies' throughput and memory per device from 1 to 1,024 devices (scaling.py).
+`--nodes M` spreads the N devices evenly over M nodes (N/M each, at most the cluster's
+gpus_per_node; default: the fewest whole nodes of the cluster's size): which collectives leave a
+node (comm_model.py), hierarchical's node groups, and the node size --png scales with. The
+pt.Session(...) line does not change: a session reads the node layout from its launcher.
 Bad input (an unknown model, preset or file, a factory that raises) is one line on stderr and
 exit status 2, as everywhere in the CLI.
 
@@ -34,6 +39,8 @@ exit status 2, as everywhere in the CLI.
                       one device at the cluster's achievable rate for the precision (no
                       communication, no overlap: a lower bound)
     calibrated        the file --calibrate wrote, or null
+    nodes             null without --gpus; else how many nodes the devices are spread over, evenly
+                      (--nodes, or the fewest of the cluster's size; 1 without --cluster)
     strategies        null without --gpus; else one row per strategy (its default settings, the
                       --optimizer's state, --batch split over the ranks), for its fullest rank:
       strategy, label, rank  the strategy's name; as the table shows it (a pipeline: "pipeline
@@ -73,7 +80,7 @@ from paratrain.plan.memory_table import describe_memory, memory_rows
 from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts
 from paratrain.plan.model_source import PRESETS as MODELS
 from paratrain.plan.model_source import resolve
-from paratrain.plan.recommend import FLOPS_DTYPE, describe_plan, plan_rows, recommend, smallest_fit
+from paratrain.plan.recommend import FLOPS_DTYPE, describe_plan, nodes_for, plan_rows, recommend, smallest_fit
 from paratrain.plan.scaling import draw, leaders, scaling
 
 SCHEMA = "paratrain.plan/0"
@@ -98,6 +105,8 @@ def add_plan_parser(commands) -> None:
     plan.add_argument("--exact", action="store_true",
                       help="run every block, not the first one and two of a stack of identical ones")
     plan.add_argument("--gpus", type=int, metavar="N", help="also predict each strategy's memory per rank on N devices")
+    plan.add_argument("--nodes", type=int, metavar="M", help="spread the N devices evenly over M nodes "
+                      "(default: whole nodes of the cluster's size)")
     plan.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam",
                       help="whose state the memory table counts (default: adam)")
     plan.add_argument("--png", metavar="FILE", help="with --gpus and --cluster: draw predicted throughput and "
@@ -112,25 +121,28 @@ def plan(args: argparse.Namespace) -> None:
         raise ConfigError("name a MODEL to plan, or --calibrate OUT.json to measure this machine")
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus must be at least 1; got {args.gpus}")
+    if args.nodes is not None and args.gpus is None:
+        raise ConfigError(f"--nodes {args.nodes} spreads the devices of --gpus over nodes: give --gpus N too")
     calibrated = None
     if args.calibrate:
         calibrated = calibrate(QUICK if args.quick else Settings(), name=Path(args.calibrate).stem)
         save_cluster(calibrated, args.calibrate)
     cluster = load_cluster(args.cluster) if args.cluster else None
+    nodes = nodes_for(args.gpus, cluster, args.nodes) if args.gpus is not None else None
     facts = None
     if args.model:
         which = None if args.activation_checkpointing == "none" else "auto"
         facts = model_facts(resolve(args.model), args.batch, args.seq, precision=args.precision,
                             activation_checkpointing=which, exact=args.exact)
-    rows = _memory(args, facts, cluster) if args.gpus is not None and facts is not None else None
+    rows = _memory(args, facts, cluster, nodes) if args.gpus is not None and facts is not None else None
     timed = rows is not None and cluster is not None
     best = recommend(rows) if timed else None
     advice = None if best is not None or not timed else \
         smallest_fit(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer)
     if args.png:
-        _draw_scaling(args, facts, cluster, rows)
+        _draw_scaling(args, facts, cluster, rows, nodes)
     if args.json:
-        print(json.dumps({**to_json(facts, cluster, args.calibrate), "strategies": rows,
+        print(json.dumps({**to_json(facts, cluster, args.calibrate), "nodes": nodes, "strategies": rows,
                           "recommended": best["session"] if best else None, "fit_advice": advice}, indent=2))
         return
     if calibrated is not None:
@@ -142,28 +154,32 @@ def plan(args: argparse.Namespace) -> None:
     if rows is not None:
         print(describe_memory(rows, gpus=args.gpus, optimizer=args.optimizer, size=_bytes))
     if timed:
-        print(describe_plan(rows, gpus=args.gpus, cluster=cluster, per="token" if facts.seq else "sample", size=_bytes))
+        print(describe_plan(rows, gpus=args.gpus, cluster=cluster, per="token" if facts.seq else "sample", size=_bytes,
+                            nodes=nodes))
     if advice is not None:
         raise ConfigError(f"no strategy fits {facts.name} in {_bytes(cluster.device_memory)} per device on "
                           f"{args.gpus} {cluster.name} device(s); {advice}")
 
 
-def _draw_scaling(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None, rows: list[dict] | None) -> None:
+def _draw_scaling(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None, rows: list[dict] | None,
+                  nodes: int | None) -> None:
     if rows is None or cluster is None:
         raise ConfigError("--png draws the strategies' predictions: give --gpus N and --cluster too")
     per_device = max(1, facts.batch // args.gpus)
-    points = scaling(resolve(args.model), facts, cluster, optimizer=args.optimizer, per_device=per_device)
+    per_node = args.gpus // nodes if args.nodes else cluster.gpus_per_node
+    points = scaling(resolve(args.model), facts, cluster, optimizer=args.optimizer, per_device=per_device,
+                     per_node=per_node)
+    where = f"{cluster.name}, {per_node} per node" if args.nodes else cluster.name
     draw(points, leaders(rows), args.png, per="token" if facts.seq else "sample", device_memory=cluster.device_memory,
-         title=f"{facts.name} on {cluster.name}, {per_device} sample(s) per device, precision {facts.precision}")
+         title=f"{facts.name} on {where}, {per_device} sample(s) per device, precision {facts.precision}")
 
 
-def _memory(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None) -> list[dict]:
+def _memory(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None, nodes: int) -> list[dict]:
     """The table's rows: the model built again on the meta device, the step's activations split
-    over the ranks, nodes of the cluster's size; with a cluster, each row timed too (recommend.py)."""
+    over the ranks, the ranks spread evenly over `nodes`; with a cluster, each row timed too (recommend.py)."""
     if cluster is not None:
-        return plan_rows(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer)
-    return memory_rows(resolve(args.model), gpus=args.gpus, optimizer=args.optimizer,
-                       gpus_per_node=cluster.gpus_per_node if cluster else None,
+        return plan_rows(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer, nodes=nodes)
+    return memory_rows(resolve(args.model), gpus=args.gpus, optimizer=args.optimizer, gpus_per_node=args.gpus // nodes,
                        activation_bytes=facts.step.activation_bytes)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from paratrain.errors import ConfigError
 from paratrain.parallel.base import Strategy
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.hierarchical import Hierarchical
@@ -30,9 +31,11 @@ from paratrain.plan.traffic import traffic
 FLOPS_DTYPE = {"32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # the cluster's rate for each precision
 
 
-def plan_rows(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus: int, optimizer: str) -> list[dict]:
-    """One row per strategy (checkpointed where it fits only so): memory, time, throughput, fit."""
-    nodes = nodes_for(gpus, cluster)
+def plan_rows(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus: int, optimizer: str,
+              nodes: int | None = None) -> list[dict]:
+    """One row per strategy (checkpointed where it fits only so): memory, time, throughput, fit;
+    the devices spread evenly over `nodes` (default: nodes_for's)."""
+    nodes = nodes_for(gpus, cluster, nodes)
     chosen = strategies(gpus, facts.batch)
     plain = _rows(source, facts, facts.step, cluster, chosen, gpus=gpus, nodes=nodes, optimizer=optimizer)
     if facts.checkpointed is None:
@@ -45,14 +48,30 @@ def plan_rows(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus:
     return [next(checkpointed) if s in again else row for s, row in zip(chosen, plain)]
 
 
-def nodes_for(gpus: int, cluster: Cluster) -> int:
-    """Whole nodes of the cluster's size, or one node when fewer devices than a node holds."""
-    return max(1, -(-gpus // cluster.gpus_per_node))
+def nodes_for(gpus: int, cluster: Cluster | None, nodes: int | None = None) -> int:
+    """How many nodes hold `gpus` devices, spread evenly: `nodes` when given (checked: it divides
+    `gpus`, and no node holds more than the cluster's gpus_per_node), else the fewest that do
+    (whole nodes of the cluster's size; one node when fewer devices than a node holds, or no cluster)."""
+    most = cluster.gpus_per_node if cluster is not None else gpus
+    if nodes is None:
+        return spread(gpus, most)
+    if nodes < 1 or gpus % nodes:
+        raise ConfigError(f"--nodes {nodes} cannot hold {gpus} devices evenly: give a number of nodes that "
+                          f"divides --gpus {gpus} ({', '.join(str(m) for m in range(1, gpus + 1) if gpus % m == 0)})")
+    if gpus // nodes > most:
+        raise ConfigError(f"{gpus} devices on {nodes} node(s) is {gpus // nodes} per node, but a node of {cluster.name} "
+                          f"holds {most}: give --nodes {spread(gpus, most)} or more")
+    return nodes
+
+
+def spread(gpus: int, per_node: int) -> int:
+    """The fewest nodes that hold `gpus` devices evenly, at most `per_node` on each."""
+    return next(m for m in range(-(-gpus // per_node), gpus + 1) if gpus % m == 0)
 
 
 def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Cluster, chosen: list[Strategy],
           *, gpus: int, nodes: int, optimizer: str) -> list[dict]:
-    memory = memory_rows(source, gpus=gpus, gpus_per_node=min(gpus, cluster.gpus_per_node), optimizer=optimizer,
+    memory = memory_rows(source, gpus=gpus, gpus_per_node=gpus // nodes, optimizer=optimizer,
                          activation_bytes=step.activation_bytes, chosen=chosen)
     out = []
     for strategy, row in zip(chosen, memory):
@@ -68,10 +87,11 @@ def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Clus
 
 def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, cluster: Cluster, *, gpus: int, nodes: int,
                  facts: ModelFacts) -> step_time.StepTime:
-    """`strategy`'s step on `gpus` devices of `cluster` (step_time.py), the optimizer step included."""
+    """`strategy`'s step on `gpus` devices spread evenly over `nodes` nodes of `cluster` (step_time.py),
+    the optimizer step included."""
     compute = step_time.Compute.of(step.flops_forward, step.flops_backward, cluster, FLOPS_DTYPE[facts.precision],
                                    world=gpus, nodes=nodes, activation_bytes=step.activation_bytes)
-    sent = traffic(source.build(), strategy, world=gpus, local_world=min(gpus, cluster.gpus_per_node))
+    sent = traffic(source.build(), strategy, world=gpus, local_world=gpus // nodes)
     seconds = _collectives(strategy, compute, sent, cluster, gpus=gpus, nodes=nodes, step=step)
     stepped = sum(n for n, _ in sent.buckets) if sent.buckets else facts.trainable_params
     if isinstance(strategy, ZeRO):
@@ -85,7 +105,7 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
 def _collectives(strategy: Strategy, compute: step_time.Compute, sent, cluster: Cluster, *, gpus: int, nodes: int,
                  step: StepCount) -> step_time.StepTime:
     elements, sizes = [n for n, _ in sent.buckets], [b for _, b in sent.buckets]
-    group = Group(gpus, nodes if gpus % nodes == 0 else 1)
+    group = Group(gpus, nodes)
     if isinstance(strategy, Pipeline):
         replicas = gpus // strategy.stages
         cut = max(step.block_output_bytes.values(), default=0) // replicas
@@ -131,10 +151,10 @@ def recommend(rows: list[dict]) -> dict | None:
     return max(fitting, key=lambda row: row["per_device_per_second"], default=None)
 
 
-def describe_plan(rows: list[dict], *, gpus: int, cluster: Cluster, per: str, size) -> str:
+def describe_plan(rows: list[dict], *, gpus: int, cluster: Cluster, per: str, size, nodes: int | None = None) -> str:
     """The text table of times and the recommendation; `per` names the unit (token or sample),
     `size` formats bytes."""
-    lines = [f"step time per strategy on {gpus} {cluster.name} device(s) ({nodes_for(gpus, cluster)} node(s)); "
+    lines = [f"step time per strategy on {gpus} {cluster.name} device(s) ({nodes_for(gpus, cluster, nodes)} node(s)); "
              f"fits: device peak within {size(cluster.device_memory)}:",
              f"  {'strategy':<22}{'device peak':>12}{'fits':>6}{'step s':>10}{'compute':>10}{'exposed':>10}"
              f"{'bubble':>10}{'optimizer':>10}{per + 's/s/dev':>14}{'MFU':>7}"]

@@ -4,9 +4,11 @@ devices, 1 → 1,024 (powers of two), for the strategies that lead at `--gpus`.
 Each point is recommend.plan_rows at that many devices (the same model and cluster), each device
 keeping the batch it has at `--gpus` (weak scaling: the global batch grows with the devices, as
 data-parallel training is scaled). The step's FLOPs and activations are linear in the batch, so
-the counts of the fake step are scaled rather than run again. A strategy is drawn where it can
-run the model; a point past the device memory is drawn hollow. matplotlib is needed for the
-picture only (`pip install matplotlib`).
+the counts of the fake step are scaled rather than run again. Each count is spread over the
+fewest nodes that hold it evenly, at most `per_node` devices on each (with `--nodes`: the node
+size it gives at `--gpus`; default: the cluster's). A strategy is drawn where it can run the
+model; a point past the device memory is drawn hollow. matplotlib is needed for the picture
+only (`pip install matplotlib`).
 """
 
 from __future__ import annotations
@@ -17,16 +19,18 @@ from paratrain.errors import ConfigError
 from paratrain.plan.cluster import Cluster
 from paratrain.plan.model_probe import ModelFacts
 from paratrain.plan.model_source import ModelSource
-from paratrain.plan.recommend import plan_rows
+from paratrain.plan.recommend import plan_rows, spread
 
 COUNTS = tuple(2**k for k in range(11))  # 1 … 1,024 devices
 
 
 def scaling(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, optimizer: str, per_device: int,
-            counts: tuple[int, ...] = COUNTS) -> dict[int, list[dict]]:
-    """The rows plan_rows gives at each device count, `per_device` samples on each."""
-    return {n: plan_rows(source, at_batch(facts, per_device * n), cluster, gpus=n, optimizer=optimizer)
-            for n in counts}
+            counts: tuple[int, ...] = COUNTS, per_node: int | None = None) -> dict[int, list[dict]]:
+    """The rows plan_rows gives at each device count, `per_device` samples on each, at most
+    `per_node` devices on a node (default: the cluster's gpus_per_node)."""
+    per_node = per_node or cluster.gpus_per_node
+    return {n: plan_rows(source, at_batch(facts, per_device * n), cluster, gpus=n, optimizer=optimizer,
+                         nodes=spread(n, per_node)) for n in counts}
 
 
 def at_batch(facts: ModelFacts, batch: int) -> ModelFacts:
