@@ -20,6 +20,8 @@ import datetime
 import os
 import re
 import socket
+import sys
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -142,10 +144,34 @@ def enable_collective_checks() -> None:
     dist.set_debug_level(dist.DebugLevel.DETAIL)
 
 
+DRAIN_S = 0.05  # at most this long, destroy() lets backend threads drop what they still hold
+
+
 def destroy() -> None:
-    """Tear down the default process group if there is one."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Tear down the default process group if there is one (and every group made from it),
+    never on one of a group's own threads ([Note: a group dropped by its own thread])."""
+    if not dist.is_initialized():
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)  # torch's registry of groups (private)
+    groups = list(getattr(world, "pg_map", None) or [dist.group.WORLD])
+    dist.destroy_process_group()
+    deadline = time.monotonic() + DRAIN_S
+    while any(sys.getrefcount(g) > 3 for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.001)  # releases the GIL: a gloo thread waiting for it drops its callbacks
+    groups.clear()  # here, on this thread, the last reference when nothing else holds one
+
+
+# [Note: a group dropped by its own thread]
+# A comm hook's future callbacks (torch's PowerSGD hook) are Python closures that hold the group
+# they issue collectives on. gloo runs them on the group's worker thread, which drops them (taking
+# the GIL) only after it has woken whoever waited on the step's future. If the main thread has
+# meanwhile destroyed the process group, that closure holds the group's last reference: the
+# group's destructor then runs on its own worker thread, joins it, and the process aborts
+# ("terminate called after throwing ... Resource deadlock avoided"; seen once in a CI run of
+# tests/test_ddp_comm_hooks.py's PowerSGD case). So destroy() keeps a reference to every group
+# across destroy_process_group(), sleeps (releasing the GIL) until the worker threads have
+# dropped theirs, at most DRAIN_S, and lets the last one go here. A group the caller still holds
+# (a live DDP module) outlives the wait and is destroyed when the caller lets it go.
 
 
 def resolve_timeout(timeout: float | None) -> float:

@@ -1,4 +1,5 @@
 import os
+import threading
 import time
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 import paratrain as pt
 from paratrain.testing import RankFailure, run_on_ranks
-from paratrain.topology import first_slurm_host, free_port
+from paratrain.topology import DRAIN_S, first_slurm_host, free_port
 
 
 def test_plain_single_process_needs_no_environment():
@@ -70,6 +71,44 @@ def test_world_of_one_initialises_with_no_environment(monkeypatch):
         assert topo.master_port > 0
     finally:
         pt.destroy()
+
+
+def _hold_then_drop(group, held, dropped, seconds):
+    ref = group
+    held.set()
+    time.sleep(seconds)  # as gloo's thread holds a comm hook's closure until it gets the GIL
+    del ref
+    dropped.set()
+
+
+@pytest.mark.parametrize("group", ["world", "subgroup"])
+def test_destroy_lets_the_last_reference_go_on_its_own_thread(monkeypatch, group):
+    # [Note: a group dropped by its own thread] in topology.py
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    pt.Topology.from_env().init(timeout=10)
+    target = torch.distributed.group.WORLD if group == "world" else torch.distributed.new_group([0])
+    held, dropped = threading.Event(), threading.Event()
+    worker = threading.Thread(target=_hold_then_drop, args=(target, held, dropped, 0.02))
+    worker.start()
+    held.wait()
+    del target
+    pt.destroy()
+    try:
+        assert dropped.is_set()  # destroy() waited for the other thread to let its reference go
+    finally:
+        worker.join()
+
+
+def test_destroy_waits_briefly_for_a_group_the_caller_keeps(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    pt.Topology.from_env().init(timeout=10)
+    kept = torch.distributed.group.WORLD  # a live DDP module holds its group so
+    start = time.monotonic()
+    pt.destroy()
+    assert time.monotonic() - start < DRAIN_S + 0.5 and not torch.distributed.is_initialized()
+    del kept
 
 
 def _groups(topo):

@@ -209,6 +209,11 @@ MUTANTS = [
            "paratrain/plan/step_time.py",
            (("        end = max(backward * done / total, end) + seconds", "        end = max(backward, end) + seconds"),),
            ("tests/test_plan_step_time.py",)),
+    Mutant("destroy-no-drain", "destroy() drops its groups at once, a backend thread may hold the last one",
+           "paratrain/topology.py",
+           (("    groups.clear()  # here", "    groups = []  # here"),
+            ("    while any(sys.getrefcount(g) > 3 for g in groups)", "    while False and any(sys.getrefcount(g) > 3 for g in groups)")),
+           ("tests/test_topology.py",)),
 ]
 
 
