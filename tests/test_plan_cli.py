@@ -226,7 +226,8 @@ def test_nodes_spreads_the_devices_and_the_gradients_cross_the_slower_link(capsy
     from paratrain.plan.comm_model import Group
     from paratrain.plan.traffic import traffic
 
-    argv = ("gpt2", "--gpus", "8", "--cluster", "h100-8x", "--batch", "8", "--seq", "64", "--precision", "bf16", "--json")
+    argv = ("gpt2", "--gpus", "8", "--cluster", "h100-8x", "--batch", "8", "--seq", "64", "--precision", "bf16",
+            "--json")
     plans = {}
     for nodes in (1, 2):
         code, out, err = run(capsys, *argv, "--nodes", str(nodes))
@@ -260,6 +261,7 @@ def test_png_with_nodes_scales_with_that_node_size():
     facts = model_facts(resolve("models:MLP"), 8)
     by = {per_node: scaling(resolve("models:MLP"), facts, preset("h100-8x"), optimizer="adam", per_device=1,
                             counts=(4, 8), per_node=per_node) for per_node in (4, 8)}
-    ddp = {k: {n: next(r for r in rows if r["strategy"] == "ddp") for n, rows in points.items()} for k, points in by.items()}
+    ddp = {k: {n: next(r for r in rows if r["strategy"] == "ddp") for n, rows in points.items()}
+           for k, points in by.items()}
     assert ddp[4][4]["comm_seconds"] == ddp[8][4]["comm_seconds"]  # one node either way
     assert ddp[4][8]["comm_seconds"] > ddp[8][8]["comm_seconds"]  # 2 nodes of 4 against one of 8

@@ -59,8 +59,8 @@ def nodes_for(gpus: int, cluster: Cluster | None, nodes: int | None = None) -> i
         raise ConfigError(f"--nodes {nodes} cannot hold {gpus} devices evenly: give a number of nodes that "
                           f"divides --gpus {gpus} ({', '.join(str(m) for m in range(1, gpus + 1) if gpus % m == 0)})")
     if gpus // nodes > most:
-        raise ConfigError(f"{gpus} devices on {nodes} node(s) is {gpus // nodes} per node, but a node of {cluster.name} "
-                          f"holds {most}: give --nodes {spread(gpus, most)} or more")
+        raise ConfigError(f"{gpus} devices on {nodes} node(s) is {gpus // nodes} per node, but a node of "
+                          f"{cluster.name} holds {most}: give --nodes {spread(gpus, most)} or more")
     return nodes
 
 
