@@ -128,8 +128,37 @@ def _a100_8x() -> Cluster:
             "host_memory": "NVIDIA DGX A100 640GB datasheet: 2 TB system memory",
             "intra.bandwidth": "NVLink 3: 600 GB/s per GPU both directions together (datasheet), 300 GB/s "
                                "each way through NVSwitch",
-            "inter.bandwidth": "assumption of a DGX A100: 200 Gb/s InfiniBand HDR per GPU "
-                               "(8 ConnectX-6), 25 GB/s each way",
+            "inter.bandwidth": "200 Gb/s InfiniBand HDR per GPU (a DGX A100 has 8 ConnectX-6; Selene's nodes "
+                               "'eight NVIDIA Mellanox 200Gbps HDR Infiniband HCAs for application communication', "
+                               "Narayanan et al., SC 2021, §5), 25 GB/s each way",
+            "latency": "assumption: as for h100-8x (NCCL's tuning model)",
+        })
+
+
+def _v100_dgx2h() -> Cluster:
+    megatron = ("Shoeybi et al., Megatron-LM (arXiv:1909.08053) §5, of the DGX-2H servers it ran on: "
+                "'300 GB/sec bandwidth between GPUs inside a server via NVSwitch and 100 GB/sec of interconnect "
+                "bandwidth between servers using 8 InfiniBand adapters per server'")
+    return Cluster(
+        name="v100-dgx2h", gpus_per_node=16,
+        peak_flops={"fp32": 15.7 * TERA, "fp16": 130 * TERA},
+        matmul_efficiency=0.6, device_memory=32 * GiB, host_memory=1536 * GB,
+        intra=Link(bandwidth=150 * GB, latency=3.4e-6), inter=Link(bandwidth=6.25 * GB, latency=14e-6),
+        optimizer_rate=900 * GB / ADAM_BYTES, elementwise_rate=900 * GB / ELEMENTWISE_PASSES,
+        sources={
+            "peak_flops": "fp16: NVIDIA DGX-2H, 2.1 PFLOPS of tensor cores over 16 V100 SXM3 (higher clocks than "
+                          "the V100 SXM2 datasheet's 125), 130 TFLOP/s each, as Megatron-LM §5.1.1 implies "
+                          "(39 TFLOP/s = 30% of a DGX-2H GPU's peak); fp32: V100 SXM2 datasheet",
+            "optimizer_rate": HBM_NOTE.format(bw="900 GB/s (V100 datasheet, HBM2)"),
+            "elementwise_rate": PASSES_NOTE.format(bw="900 GB/s"),
+            "matmul_efficiency": "assumption: the planner's default, as for h100-8x, not fitted to any run",
+            "device_memory": "Tesla V100 SXM3 32GB (Megatron-LM §5)",
+            "host_memory": "NVIDIA DGX-2 datasheet: 1.5 TB system memory",
+            "intra.bandwidth": "NVLink 2 through NVSwitch: 300 GB/s per GPU both directions together (V100 datasheet; "
+                               + megatron + "), 150 GB/s each way",
+            "inter.bandwidth": megatron + ": 100 GB/s each way per node over 16 GPUs, 6.25 GB/s per GPU "
+                               "(8 EDR adapters of 12.5 GB/s, each shared by 2 GPUs; the ZeRO paper, §10.2, "
+                               "says the same of its DGX-2 cluster: 800 Gbps, 12.5 GB/s per EDR link)",
             "latency": "assumption: as for h100-8x (NCCL's tuning model)",
         })
 
@@ -157,7 +186,7 @@ def _cpu_here() -> Cluster:
         })
 
 
-PRESETS = {"cpu-here": _cpu_here, "h100-8x": _h100_8x, "a100-8x": _a100_8x}
+PRESETS = {"cpu-here": _cpu_here, "h100-8x": _h100_8x, "a100-8x": _a100_8x, "v100-dgx2h": _v100_dgx2h}
 
 
 def preset(name: str) -> Cluster:

@@ -108,9 +108,9 @@ def _need_seq(seq: int | None, name: str) -> int:
 def resolve(spec: str) -> ModelSource:
     """The ModelSource a MODEL argument names (module docstring)."""
     if spec in PRESETS:
-        return _from_config(spec, dict(PRESETS[spec]))
+        return from_config(spec, PRESETS[spec])
     if spec.endswith(".json") or Path(spec).is_file():
-        return _from_config(spec, _read_config(spec))
+        return from_config(spec, _read_config(spec))
     if ":" in spec:
         return _from_factory(spec)
     raise ConfigError(f"no model {spec!r}: give package.module:factory, a transformers config.json, "
@@ -129,7 +129,9 @@ def _read_config(path: str) -> dict:
     return raw
 
 
-def _from_config(name: str, raw: dict) -> ModelSource:
+def from_config(name: str, raw: dict) -> ModelSource:
+    """A transformers model of config `raw` (a config.json's fields, `model_type` among them)."""
+    raw = dict(raw)
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
