@@ -56,10 +56,16 @@ def test_the_tree_wins_small_messages_and_the_ring_large_ones():
     assert cm.all_reduce(1e9, group, c) == cm.ring_all_reduce(1e9, group, c) < cm.tree_all_reduce(1e9, group, c)
 
 
-def test_a_ring_across_nodes_is_paced_by_the_inter_node_link():
+def test_a_ring_across_nodes_is_paced_by_the_inter_node_links_of_its_ranks():
     c = cluster()
-    # 4 ranks on 2 nodes: 6 steps of the inter-node α (100 µs), 1.5 MB at 0.1 GB/s
-    assert cm.ring_all_reduce(S, cm.Group(4, 2), c) == pytest.approx(6 * 100e-6 + 1.5 * S / (BETA / 10))
+    # 4 ranks on 4 nodes: 6 steps of the inter-node α (100 µs), 1.5 MB through one NIC, 0.1 GB/s
+    assert cm.ring_all_reduce(S, cm.Group(4, 4), c) == pytest.approx(6 * 100e-6 + 1.5 * S / (BETA / 10))
+    # 4 ranks on 2 nodes: the same, but 2 NICs leave each node (a ring per NIC): 0.2 GB/s
+    assert cm.ring_all_reduce(S, cm.Group(4, 2), c) == pytest.approx(6 * 100e-6 + 1.5 * S / (2 * BETA / 10))
+    # 16 on 2 nodes: 8 NICs a node would carry 0.8 GB/s, but the node's own link (1 GB/s) is not
+    # the limit either way; 20 per node: 2 GB/s of NICs, paced by the intra-node 1 GB/s
+    assert cm.group_link(c, cm.Group(16, 2)).bandwidth == pytest.approx(8 * BETA / 10)
+    assert cm.group_link(c, cm.Group(40, 2)).bandwidth == pytest.approx(BETA)
     assert cm.send_recv(S, c, same_node=True) == pytest.approx(ALPHA + S / BETA)
     assert cm.send_recv(S, c, same_node=False) == pytest.approx(10 * ALPHA + S / (BETA / 10))
 

@@ -20,8 +20,15 @@ tensor, in bytes: the input of an all-reduce or a reduce-scatter, the output of 
 
 A group of n = k·m ranks over m nodes (k per node): a ring (or tree) that leaves a node runs, in
 every step, at the pace of its slowest edge, so it is charged the slowest link it crosses: the
-intra-node link when m = 1, else the smaller bandwidth and the larger latency of the two
-(NCCL's rings give each GPU its own NIC, so the inter-node β is per GPU, as cluster.py states it).
+intra-node link when m = 1, else the larger latency of the two and the smaller bandwidth of
+the intra-node link and k × the inter-node one. cluster.py states the inter-node β per GPU (one
+NIC each), and NCCL splits a collective over several rings (channels), each leaving the node
+through its own NIC, so the k ranks of the group in a node send through k NICs at once: on
+8-GPU DGX nodes, 8 × 25 GB/s (A100) or 8 × 50 GB/s (H100) leave each node, against one NIC's
+worth when every rank is on a node of its own (k = 1, as in hierarchical's all-reduce across nodes
+and a pipeline's send between nodes). nccl-tests measure about that: 91 GB/s all-reduce bus
+bandwidth between two HGX A100 with four 200 Gb/s adapters each (NVIDIA/nccl-tests#100), 75 GB/s
+with eight 100 Gb/s (NVIDIA/nccl#495, "roughly matching our expectation").
 A calibrated cluster may hold an intra-node link per collective (gloo's implementations differ by
 several times): it is used for that collective in place of `intra`.
 
@@ -105,7 +112,7 @@ def group_link(cluster: Cluster, group: Group, collective: str | None = None) ->
     intra = cluster.collective_links.get(collective, cluster.intra) if collective else cluster.intra
     if group.nodes == 1:
         return intra
-    return Link(bandwidth=min(intra.bandwidth, cluster.inter.bandwidth),
+    return Link(bandwidth=min(intra.bandwidth, cluster.inter.bandwidth * group.per_node),
                 latency=max(intra.latency, cluster.inter.latency))
 
 
