@@ -117,3 +117,57 @@ def test_a_tied_weight_gradient_is_accumulated_in_place_not_held_twice():
     embedding_mib = VOCAB * EMBED * 4 / 2**20
     for peak in run_on_ranks(_backward_peak_mib, 2):
         assert peak < 2.5 * embedding_mib, f"backward peaked {peak:.1f} MiB above its start"
+
+
+class _TiedWithGaps(nn.Module):
+    """Root parameters (the tied embedding, two LayerNorms) used between the Linear units."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.a, self.norm_a = nn.Linear(16, 16), nn.LayerNorm(16)
+        self.b, self.norm_b = nn.Linear(16, 16), nn.LayerNorm(16)
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.norm_b(self.b(self.norm_a(self.a(self.emb(tokens))))))
+
+
+def _root_gradient_during_backward(topo):
+    from paratrain.parallel.zero.flat_shard import FlatShard
+    torch.manual_seed(0)
+    model = _TiedWithGaps()
+    model, _ = pt.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3,
+                        wrap_policy=pt.WrapPolicy(module_classes=(nn.Linear,)))
+    root = next(u for u in model.units if u.name == "").flats[0]
+    seen, reductions = [], []
+    for name in ("a", "b"):  # after each unit's own backward: what the root holds then
+        model.module.get_submodule(name).register_full_backward_hook(
+            lambda *_, name=name: seen.append((name, root.grad is None, root.shard.grad is not None)))
+    real = FlatShard.start_grad_sync
+
+    def counting(flat, *args, **kwargs):
+        if flat is root:
+            reductions.append(kwargs.get("partial", False))
+        return real(flat, *args, **kwargs)
+
+    FlatShard.start_grad_sync = counting
+    try:
+        for _ in range(2):
+            tokens = torch.randint(0, 64, (2, 8))
+            F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+            model.zero_grad()
+    finally:
+        FlatShard.start_grad_sync = real
+    return seen, reductions
+
+
+def test_a_root_gradient_part_way_is_reduced_before_the_next_units_backward():
+    """[Note: a unit used twice]: the head's and norm_b's gradients (the root's) are reduced when
+    b's backward starts, so no root buffer is held through b's and a's; norm_a's and the
+    embedding's fill a second buffer, reduced when the last is in: two reductions per backward,
+    not one per gap between units."""
+    for seen, reductions in run_on_ranks(_root_gradient_during_backward, 2):
+        assert seen == [("b", True, True), ("a", False, True)] * 2  # a: norm_a's share is in
+        assert reductions == [True, False] * 2
