@@ -10,8 +10,7 @@ in forward order:
 
     forward   pre-hook:  wait for k's all-gather, start k+1's (prefetch); k's modules hold
                          views of the gathered buffer.   post-hook: free k (the root stays).
-    backward  hook on k's outputs: reduce a unit's gradient that is part-way (the root's, from
-                         a tied head; [Note: a unit used twice]), gather k again, start k-1's (prefetch).
+    backward  hook on k's outputs: gather k again, start k-1's (prefetch).
               post-accumulate hooks on k's leaves: at the first, wait for k+1's reduction and
               point k's leaves' gradients at one zeroed flat buffer (flat_shard.py, [Note: one
               leaf per use]); at the last, start reducing the buffer to the owners, free k.
@@ -158,8 +157,6 @@ class FullyShardedDataParallel(ParallelModule):
             Variable._execution_engine.queue_callback(self._finish_backward)
             if all(s.grad is None for s in self.shards):  # a new step: the finite check starts afresh
                 self.reduced_finite()
-        if self._sync_this_backward and unit.name:
-            self._flush_partial(unit)
         self._unshard(unit)
         if self.prefetch:
             self._prefetch(unit, step=-1)
@@ -175,17 +172,6 @@ class FullyShardedDataParallel(ParallelModule):
             self._reducing = [flat]
             flat.start_grad_sync(self.collectives.reduce_scatter)
         flat.reshard()
-
-    def _flush_partial(self, unit: Unit) -> None:
-        """Before `unit`'s backward: reduce, and wait for, any other unit's gradient that is
-        part-way, once per backward ([Note: a unit used twice] in flat_shard.py)."""
-        for other in self.units:
-            for flat in other.flats if other is not unit else ():
-                if flat.grad_partial and not flat.flushed:
-                    self._settle_reduction()
-                    flat.start_grad_sync(self.collectives.reduce_scatter, partial=True)
-                    self._reducing = [flat]
-                    self._settle_reduction()
 
     def _settle_reduction(self) -> None:
         for earlier in self._reducing:  # waiting frees its full gradient
