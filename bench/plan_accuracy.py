@@ -111,7 +111,7 @@ def predicted(model: str, case: str, world: int, cluster) -> dict:
     facts = model_facts(source, batch, seq, activation_checkpointing=None, loss_fn=_planned_loss)
     strategy = strategy_of(case, model)
     ranks = predict(source.build(), strategy, world=world, optimizer="adam",
-                    activation_bytes=facts.step.activation_bytes)
+                    activation_bytes=facts.step.activation_peak_bytes)
     seconds = predict_time(source, strategy, facts.step, cluster, gpus=world, nodes=1, facts=facts)
     return {"step_s": seconds.total, "peak_mb": max(r.device_peak for r in ranks) / 2**20,
             "compute_s": seconds.compute, "exposed_comm_s": seconds.exposed_comm, "bubble_s": seconds.bubble}

@@ -2,6 +2,7 @@
 except for the calibration's two ranks."""
 
 import json
+import re
 
 import pytest
 
@@ -79,7 +80,8 @@ def test_gpus_adds_each_strategys_memory_per_rank(capsys):
     rows = {row["strategy"]: row for row in got["strategies"]}
     assert list(rows) == ["ddp", "hierarchical", "zero1", "zero2", "zero3", "pipeline"]
     assert "cuts an nn.Sequential" in rows["pipeline"]["error"]  # an MLP module is no Sequential
-    activations = got["model"]["step"]["activation_bytes"]
+    step = got["model"]["step"]
+    activations = max(step["transient_bytes"], step["activation_bytes"])  # StepCount.activation_peak_bytes
     for name, strategy in (("ddp", pt.DDP()), ("zero3", pt.ZeRO(stage=3))):
         want = predict(resolve("models:MLP").build(), strategy, world=2, optimizer="sgd-momentum",
                        activation_bytes=activations)[0]
@@ -192,9 +194,15 @@ def test_a_model_that_fits_nowhere_says_what_would_fit(capsys):
     code, out, err = run(capsys, "llama-2-70b", "--gpus", "8", "--cluster", "h100-8x", "--batch", "8",
                          "--seq", "4096", "--precision", "bf16")
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "no strategy fits llama-2-70b in 80 GiB per device on 8 h100-8x device(s); it would fit with " \
-           "16 devices under zero3 with activation checkpointing" in err
+    advice = re.search(r"no strategy fits llama-2-70b in 80 GiB per device on 8 h100-8x device\(s\); it would fit "
+                       r"with (\d+) devices under zero3 with activation checkpointing", err)
+    assert advice, err
     assert "ddp +ckpt" in out  # what did not fit was tried again with checkpointing
+    # the advice holds: on that many devices zero3 with checkpointing fits
+    code, out, _ = run(capsys, "llama-2-70b", "--gpus", advice.group(1), "--cluster", "h100-8x", "--batch", "8",
+                       "--seq", "4096", "--precision", "bf16", "--json")
+    zero3 = [r for r in json.loads(out)["strategies"] if r["label"].startswith("zero3")]
+    assert code == 0 and any(r["fits"] for r in zero3)  # with checkpointing, or already without
 
 
 def test_png_draws_throughput_and_memory_from_1_to_1024_devices(capsys, tmp_path):

@@ -213,3 +213,24 @@ def test_bad_models_get_one_clear_error(tmp_path, monkeypatch):
     (tmp_path / "c.json").write_text('{"hidden_size": 8}')
     with pytest.raises(ConfigError, match="no model_type"):
         resolve(str(tmp_path / "c.json"))
+
+
+class _Head(nn.Linear):
+    """Logits over a vocabulary of V from C features, as an LM's head."""
+
+    def example_inputs(self, batch, seq):
+        return (torch.zeros(batch, self.in_features),)
+
+
+def test_the_transient_peak_holds_the_gradients_of_what_backward_still_holds():
+    """Cross-entropy saves x (B·C, the head's input) and the log-softmax (B·V); in backward the
+    gradient of the log-softmax (B·V) and then of the logits (B·V) are made while the log-softmax
+    is still held: the peak is at least the saved bytes and one B·V gradient more, and less than
+    the saved bytes and three B·V more (no temporary of the vocabulary's size is counted twice)."""
+    V = 1000
+    loss = lambda logits: torch.nn.functional.cross_entropy(logits, torch.zeros(B, dtype=torch.long))  # noqa: E731
+    step = model_facts(source(lambda: _Head(C, V)), B, loss_fn=loss, activation_checkpointing=None).step
+    logits = 4 * B * V
+    assert 0 <= step.activation_bytes - (4 * B * C + logits) <= 8 * B + 8  # and the targets, a total weight
+    assert step.activation_bytes + logits <= step.transient_bytes < step.activation_bytes + 3 * logits
+    assert step.activation_peak_bytes == step.transient_bytes

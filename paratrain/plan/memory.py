@@ -31,8 +31,9 @@ from (the functions named are the ones the strategies themselves call):
   of a pipeline are activations, not counted here.
 - gathered: zero3 only, UPPER BOUND: the root unit's full parameters plus the two largest other
   units (the running one and the prefetched one; one without prefetch), in param_dtype.
-- activations: APPROXIMATE: `activation_bytes` (model_probe's saved-for-backward figure for the
-  global batch) times this rank's share of the batch, 1/N; for a pipeline stage, of its replica's
+- activations: APPROXIMATE: `activation_bytes` (model_probe's StepCount.activation_peak_bytes for
+  the global batch: the most its forward and backward hold at once beyond the model's state, the
+  saved activations, their gradients and temporaries) times this rank's share of the batch, 1/N; for a pipeline stage, of its replica's
   batch, spread evenly over the stages, times the micro-batches in flight (GPipe m, 1F1B
   min(m, S - s)) over m.
 - host: how much of params + grads + optimizer is in CPU memory (ZeRO's offload).
@@ -99,7 +100,7 @@ class RankMemory:
     optimizer: int  # the optimizer's state
     comm_buffers: int = 0  # transient during backward, upper bound
     gathered: int = 0  # zero3: full units gathered at once, upper bound
-    activations: int = 0  # saved for backward, approximate
+    activations: int = 0  # the forward and backward's transient peak, approximate
     host: int = 0  # of params + grads + optimizer: in CPU memory (offload)
 
     @property
@@ -120,7 +121,8 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
 
     optimizer: an OptimizerState or a name in OPTIMIZERS.
     local_world: ranks per node (hierarchical; default: one node).
-    activation_bytes: saved for backward by one forward of the global batch (model_probe).
+    activation_bytes: the transient peak of one forward and backward of the global batch
+        (model_probe's StepCount.activation_peak_bytes).
     group_of: each trainable parameter's optimizer param group (default: all in one).
     arrival: the order gradients arrive in backward (default: reverse registration).
     """

@@ -18,6 +18,13 @@ and storages, no memory, no arithmetic), and one forward and one backward of one
   (precision "bf16"/"fp16") with fp32 parameters, the low-precision weight copies the matmuls
   save are counted too: new storages that live until backward, about 2 bytes per parameter
   (llama-2-70b: 128 GiB). With `param_dtype` the parameters are in that dtype: nothing is copied.
+- Transient bytes: the most bytes the forward and backward hold at once beyond the model's
+  parameters, buffers and the parameters' gradients: saved activations, their gradients and every
+  temporary, from the lifetime of each storage an op makes (`Lifetimes`, a TorchDispatchMode:
+  born at the op that made it, dead at the first op after its last reference went; an op's
+  inputs and outputs count as alive together). The activation part of a step's peak memory
+  (memory.py), where activation_bytes alone leaves out the backward's gradients of activations
+  (a GPT's logits: their gradient is as large as they are) and the loss's temporaries.
 - Parameters and their bytes: counted on the meta model, a tied weight once.
 
 Fake CPU tensors choose CPU kernels: attention goes through SDPA's flash kernel for the CPU,
@@ -30,6 +37,7 @@ which saves nothing, so a real loss adds what it saves (cross-entropy: about its
 from __future__ import annotations
 
 import functools
+import gc
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -39,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -59,6 +68,13 @@ class StepCount:
     block_activation_bytes: dict[str, int]  # of those, the bytes saved while each block ran
     block_output_bytes: dict[str, int] = field(default_factory=dict)  # each block's output: what a
     # pipeline cut after it sends forward (and its gradient back), for the whole batch
+    transient_bytes: int = 0  # the most held at once beyond parameters, buffers and their gradients
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        """What the step's peak memory holds beyond the model's state (memory.py's activations):
+        the transient peak, which includes the saved activations."""
+        return max(self.transient_bytes, self.activation_bytes)
     checkpointed: tuple[str, ...] = ()  # the modules whose activations were checkpointed
     extended: bool = False  # counted from copies of the model cut to 1 and 2 blocks (repeated_blocks.py)
 
@@ -145,6 +161,7 @@ def _count(source: ModelSource, model: nn.Module, *, stack: Stack | None, blocks
     return StepCount(flops_forward=extend(one.flops_forward, two.flops_forward, stack),
                      flops_backward=extend(one.flops_backward, two.flops_backward, stack),
                      activation_bytes=extend(one.activation_bytes, two.activation_bytes, stack),
+                     transient_bytes=extend(one.transient_bytes, two.transient_bytes, stack),
                      block_activation_bytes=extend_blocks(two.block_activation_bytes, stack),
                      block_output_bytes=extend_blocks(two.block_output_bytes, stack),
                      checkpointed=checkpointed, extended=True)
@@ -177,18 +194,76 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
     try:
         with faked(model, mode) as state, mode, fused_attention():
             args, kwargs = source.inputs(model, batch, seq)
-            with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as forward, \
-                    torch.autograd.graph.saved_tensors_hooks(pack, _same), \
-                    (torch.autocast("cpu", dtype=autocast) if autocast else nullcontext()):
-                loss = _loss(model(*args, **kwargs), loss_fn)
-            with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as backward:
-                loss.backward()
+            with Lifetimes(state) as lifetimes:
+                with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as forward, \
+                        torch.autograd.graph.saved_tensors_hooks(pack, _same), \
+                        (torch.autocast("cpu", dtype=autocast) if autocast else nullcontext()):
+                    loss = _loss(model(*args, **kwargs), loss_fn)
+                with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as backward:
+                    loss.backward()
+            grads = {StorageWeakRef(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
+            transient = lifetimes.peak(leaving_out=grads)
+            model.zero_grad(set_to_none=True)
     finally:
         for handle in handles:
             handle.remove()
     return StepCount(flops_forward=forward.get_total_flops(), flops_backward=backward.get_total_flops(),
                      activation_bytes=sum(saved.values()), block_activation_bytes=by_block,
-                     block_output_bytes=outputs, checkpointed=checkpointed)
+                     block_output_bytes=outputs, checkpointed=checkpointed, transient_bytes=transient)
+
+
+class Lifetimes(TorchDispatchMode):
+    """When each storage an op makes is born and dies, in ops (module docstring: transient bytes).
+    `ignore`: storages never counted (the model's fake parameters and buffers)."""
+
+    def __init__(self, ignore: set[StorageWeakRef]):
+        super().__init__()
+        self._collecting = False  # the cyclic GC, off while this lasts: a cycle's storages die at
+        # the same op in every run (counts from 1 and 2 blocks extend to the whole one exactly)
+        self.ignore = ignore
+        self.clock = 0  # ops run so far
+        self.alive: dict[StorageWeakRef, int] = {}  # storage -> its index in `spans`
+        self.spans: list[list] = []  # [born, bytes, died or None, storage]
+
+    def __enter__(self):
+        self._collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._collecting:
+            gc.enable()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.clock += 1
+        for ref in [ref for ref in self.alive if ref.expired()]:  # a freed storage's address may be reused
+            self.spans[self.alive.pop(ref)][2] = self.clock
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref not in self.alive and ref not in self.ignore:
+                    self.alive[ref] = len(self.spans)
+                    self.spans.append([self.clock, t.untyped_storage().nbytes(), None, ref])
+        return out
+
+    def peak(self, leaving_out: set[StorageWeakRef] = frozenset()) -> int:
+        """The most bytes alive at once, without the storages in `leaving_out` still alive at
+        the end (the parameters' gradients). At one op, births count before deaths."""
+        events = []
+        for born, nbytes, died, ref in self.spans:
+            if died is None and ref in leaving_out:
+                continue
+            events.append((born, 0, nbytes))
+            if died is not None:
+                events.append((died, 1, -nbytes))
+        live = peak = 0
+        for _, _, change in sorted(events):
+            live += change
+            peak = max(peak, live)
+        return peak
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,9 @@ exit status 2, as everywhere in the CLI.
       step            one forward and backward of the batch, without checkpointing:
         flops_forward, flops_backward     2 FLOPs per multiply-add, matmuls and attention only
         activation_bytes                  saved for backward (distinct storages, no parameters)
+        transient_bytes                   the most the forward and backward hold at once beyond the
+                                          parameters, buffers and their gradients (activations, their
+                                          gradients, temporaries)
         block_activation_bytes            {block name: the part saved while it ran}
         checkpointed                      [] here
       checkpointed    the same with --activation-checkpointing's modules checkpointed
@@ -47,7 +50,8 @@ exit status 2, as everywhere in the CLI.
                       SxM", stages × micro-batches); the rank whose device_peak is largest
       params, grads, optimizer   exact bytes at rest (after a step, before zero_grad)
       comm_buffers, gathered     upper bounds of what backward / ZeRO-3's gathers add
-      activations                approximate: the step's activation_bytes, this rank's share
+      activations                approximate: the step's transient_bytes (at least its
+                                 activation_bytes), this rank's share
       host                       of params + grads + optimizer: in CPU memory (offload)
       at_rest, device_peak       params + grads + optimizer; on the device at the peak
       with --cluster too:
@@ -180,7 +184,7 @@ def _memory(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None
     if cluster is not None:
         return plan_rows(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer, nodes=nodes)
     return memory_rows(resolve(args.model), gpus=args.gpus, optimizer=args.optimizer, gpus_per_node=args.gpus // nodes,
-                       activation_bytes=facts.step.activation_bytes)
+                       activation_bytes=facts.step.activation_peak_bytes)
 
 
 def to_json(facts: ModelFacts | None, cluster: Cluster | None, calibrated: str | None) -> dict:
@@ -213,10 +217,12 @@ def describe_facts(facts: ModelFacts, cluster: Cluster | None) -> str:
              f"  FLOPs       forward {_flop(step.flops_forward)}, backward {_flop(step.flops_backward)}; "
              f"per {'token' if facts.seq else 'sample'} {_flop(_flops(step) / facts.tokens)} "
              f"({_flops(step) / facts.tokens / max(facts.params, 1):.2f} × parameters)",
-             f"  activations {_bytes(step.activation_bytes)} saved for backward"]
+             f"  activations {_bytes(step.activation_bytes)} saved for backward; "
+             f"{_bytes(step.activation_peak_bytes)} at the backward's peak, with their gradients and temporaries"]
     if ckpt is not None:
         lines.append(f"  checkpointing {len(ckpt.checkpointed)} modules ({_span(ckpt.checkpointed)}): "
-                     f"activations {_bytes(ckpt.activation_bytes)}, backward {_flop(ckpt.flops_backward)} "
+                     f"activations {_bytes(ckpt.activation_bytes)} ({_bytes(ckpt.activation_peak_bytes)} at the peak), "
+                     f"backward {_flop(ckpt.flops_backward)} "
                      f"(+{_flop(ckpt.flops_backward - step.flops_backward)} recomputed)")
     if cluster is not None:
         rate = cluster.flops(FLOPS_DTYPE[facts.precision])

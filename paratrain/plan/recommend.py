@@ -72,7 +72,7 @@ def spread(gpus: int, per_node: int) -> int:
 def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Cluster, chosen: list[Strategy],
           *, gpus: int, nodes: int, optimizer: str) -> list[dict]:
     memory = memory_rows(source, gpus=gpus, gpus_per_node=gpus // nodes, optimizer=optimizer,
-                         activation_bytes=step.activation_bytes, chosen=chosen)
+                         activation_bytes=step.activation_peak_bytes, chosen=chosen)
     out = []
     for strategy, row in zip(chosen, memory):
         if "error" in row:
@@ -190,13 +190,13 @@ def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gp
 
     ways = []
     more = next((n for n in (2 ** k for k in range(11)) if n > gpus and
-                 peak(n, zero3, step.activation_bytes) <= cluster.device_memory), None)
+                 peak(n, zero3, step.activation_peak_bytes) <= cluster.device_memory), None)
     if more:
         ways.append(f"{more} devices under zero3{ac}")
-    if peak(gpus, ZeRO(stage=3, offload=True), step.activation_bytes) <= cluster.device_memory:
+    if peak(gpus, ZeRO(stage=3, offload=True), step.activation_peak_bytes) <= cluster.device_memory:
         ways.append(f"zero3 with offload{ac} on {gpus}")
     fixed = peak(gpus, zero3, 0)
-    per_sample = step.activation_bytes / facts.batch
+    per_sample = step.activation_peak_bytes / facts.batch
     if fixed < cluster.device_memory and per_sample and (batch := int((cluster.device_memory - fixed) / per_sample * gpus)):
         ways.append(f"a batch of at most {min(batch, facts.batch - 1)} under zero3{ac} on {gpus}")
     if not ways:

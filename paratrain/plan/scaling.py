@@ -42,7 +42,7 @@ def at_batch(facts: ModelFacts, batch: int) -> ModelFacts:
             return None
         return dataclasses.replace(
             step, flops_forward=round(step.flops_forward * k), flops_backward=round(step.flops_backward * k),
-            activation_bytes=round(step.activation_bytes * k),
+            activation_bytes=round(step.activation_bytes * k), transient_bytes=round(step.transient_bytes * k),
             block_activation_bytes={n: round(b * k) for n, b in step.block_activation_bytes.items()},
             block_output_bytes={n: round(b * k) for n, b in step.block_output_bytes.items()})
     return dataclasses.replace(facts, batch=batch, step=scaled(facts.step), checkpointed=scaled(facts.checkpointed))
