@@ -159,7 +159,30 @@ def test_the_formulas_of_the_zero_paper_fall_out():
 
 def test_optimizer_state_from_a_torch_optimizer():
     p = [nn.Parameter(torch.zeros(3))]
-    assert OptimizerState.of(torch.optim.AdamW(p)) == OptimizerState("adamw", 2, 4)
+    assert OptimizerState.of(torch.optim.AdamW(p)) == OptimizerState("adamw", 2, 4, 2)
     assert OptimizerState.of(torch.optim.Adam(p, amsgrad=True)).per_element == 3
     assert OptimizerState.of(torch.optim.SGD(p, lr=0.1)) == OPTIMIZERS["sgd"]
     assert OptimizerState.of(torch.optim.SGD(p, lr=0.1, momentum=0.9)) == OPTIMIZERS["sgd-momentum"]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_the_optimizer_workspace_is_what_torchs_adam_makes_in_a_step(foreach):
+    """OptimizerState.workspace against the temporaries a real step of torch.optim.Adam makes,
+    their lifetimes counted op by op (model_probe.Lifetimes), the parameters, gradients and state
+    left out: single-tensor (the CPU's default) two of the one it steps and the previous result,
+    foreach one of each."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from paratrain.plan.model_probe import Lifetimes
+
+    params = [nn.Parameter(torch.zeros(n)) for n in (300, 1000, 200)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    adam = torch.optim.Adam(params, lr=0.1, foreach=foreach)
+    adam.step()  # the state exists from here on
+    held = [*params, *(p.grad for p in params), *(t for s in adam.state.values() for t in s.values())]
+    with Lifetimes({StorageWeakRef(t.untyped_storage()) for t in held}) as lifetimes:
+        adam.step()
+    made = lifetimes.peak()
+    want = OPTIMIZERS["adam"].workspace([(p.numel(), p.dtype) for p in params], foreach=foreach)
+    assert want == (4 * 1500 if foreach else 4 * (2 * 1000 + 300))  # the 300's result is still held
+    assert want <= made <= want + 64 * len(params)  # and the 0-dim step counts' arithmetic

@@ -37,6 +37,10 @@ from (the functions named are the ones the strategies themselves call):
   batch, spread evenly over the stages, times the micro-batches in flight (GPipe m, 1F1B
   min(m, S - s)) over m.
 - host: how much of params + grads + optimizer is in CPU memory (ZeRO's offload).
+- workspace: the optimizer step's temporaries (OptimizerState.workspace: Adam's, two of the
+  tensor it steps and the previous one's on the CPU, one of each at once with foreach on CUDA),
+  none on the device under offload. The step comes after the backward has freed the
+  activations, so the peak holds the larger of the two.
 
 Not counted: buffers (BatchNorm statistics; whole on every rank: ModelFacts.buffer_bytes), the
 batch, the allocator's fragmentation and the framework's own workspace (CUDA context, kernels'
@@ -71,13 +75,14 @@ class OptimizerState:
     name: str
     per_element: int  # state tensors the size of the stepped tensor, in its dtype (Adam: 2 moments)
     scalar_bytes: int = 0  # per stepped tensor (Adam's `step`: a 0-dim float32 tensor)
+    temporaries: int = 0  # tensors the size of a stepped one that its step makes (Adam: √v, then √v/c)
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer) -> "OptimizerState":
         """The state of a torch optimizer, by its class and first param group's settings."""
         group = optimizer.param_groups[0]
         if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            return cls(type(optimizer).__name__.lower(), 3 if group.get("amsgrad") else 2, 4)
+            return cls(type(optimizer).__name__.lower(), 3 if group.get("amsgrad") else 2, 4, 2)
         if isinstance(optimizer, torch.optim.SGD):
             return OPTIMIZERS["sgd-momentum" if group.get("momentum") else "sgd"]
         raise ConfigError(f"the planner knows the state of Adam, AdamW and SGD; got {type(optimizer).__name__}")
@@ -86,8 +91,21 @@ class OptimizerState:
         """For the tensors it steps, given as (elements, dtype)."""
         return sum(self.per_element * n * dtype.itemsize + self.scalar_bytes for n, dtype in stepped)
 
+    def workspace(self, stepped: list[tuple[int, torch.dtype]], foreach: bool = False) -> int:
+        """What its step makes beyond the state, in the order it steps the tensors. torch's
+        single-tensor Adam (its default on the CPU) makes `temporaries` tensors the size of the
+        one it steps (`denom = (v.sqrt() / c).add_(eps)`), while the previous tensor's `denom`
+        is still held; its foreach implementation (the default for CUDA tensors) makes one for
+        every stepped tensor at once (`_foreach_sqrt`). Tested against a real step."""
+        sizes = [n * dtype.itemsize for n, dtype in stepped]
+        if not self.temporaries or not sizes:
+            return 0
+        if foreach:
+            return sum(sizes)
+        return max(self.temporaries * size + (sizes[i - 1] if i else 0) for i, size in enumerate(sizes))
 
-OPTIMIZERS = {"adam": OptimizerState("adam", 2, 4), "adamw": OptimizerState("adamw", 2, 4),
+
+OPTIMIZERS = {"adam": OptimizerState("adam", 2, 4, 2), "adamw": OptimizerState("adamw", 2, 4, 2),
               "sgd": OptimizerState("sgd", 0), "sgd-momentum": OptimizerState("sgd-momentum", 1)}
 
 
@@ -102,6 +120,7 @@ class RankMemory:
     gathered: int = 0  # zero3: full units gathered at once, upper bound
     activations: int = 0  # the forward and backward's transient peak, approximate
     host: int = 0  # of params + grads + optimizer: in CPU memory (offload)
+    workspace: int = 0  # the optimizer step's temporaries on the device, approximate
 
     @property
     def at_rest(self) -> int:
@@ -109,14 +128,16 @@ class RankMemory:
 
     @property
     def device_peak(self) -> int:
-        """On the device at the peak of a step: everything but what lives in CPU memory."""
-        return self.at_rest - self.host + self.comm_buffers + self.gathered + self.activations
+        """On the device at the peak of a step: everything but what lives in CPU memory, with the
+        larger of what the forward and backward add and what the optimizer step adds (by then the
+        activations, communication buffers and gathered units are freed)."""
+        return self.at_rest - self.host + max(self.comm_buffers + self.gathered + self.activations, self.workspace)
 
 
 def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: OptimizerState | str = "adam",
             local_world: int | None = None, activation_bytes: int = 0,
             group_of: dict[nn.Parameter, int] | None = None,
-            arrival: list[nn.Parameter] | None = None) -> list[RankMemory]:
+            arrival: list[nn.Parameter] | None = None, foreach: bool = False) -> list[RankMemory]:
     """Rank r's bytes at index r, for `model` trained by `strategy` on `world` ranks.
 
     optimizer: an OptimizerState or a name in OPTIMIZERS.
@@ -125,6 +146,7 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
         (model_probe's StepCount.activation_peak_bytes).
     group_of: each trainable parameter's optimizer param group (default: all in one).
     arrival: the order gradients arrive in backward (default: reverse registration).
+    foreach: the optimizer steps every tensor at once (torch's default for CUDA tensors).
     """
     if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
         raise ConfigError(f"the planner knows the optimizers {', '.join(OPTIMIZERS)}; got {optimizer!r}")
@@ -132,7 +154,7 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     if world < 1:
         raise ConfigError(f"world must be at least 1; got {world}")
     trainable = [p for p in model.parameters() if p.requires_grad]
-    facts = _Model(model, trainable, group_of or {p: 0 for p in trainable}, state, world, activation_bytes)
+    facts = _Model(model, trainable, group_of or {p: 0 for p in trainable}, state, world, activation_bytes, foreach)
     if isinstance(strategy, Pipeline):
         return _pipeline(facts, strategy)
     if isinstance(strategy, ZeRO):
@@ -144,7 +166,7 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     elif isinstance(strategy, Single):
         if world != 1:
             raise ConfigError(f"strategy 'single' runs one process; got world {world}")
-        one = _plain(state, list(model.parameters()), activation_bytes)
+        one = _plain(state, list(model.parameters()), activation_bytes, foreach)
     else:
         raise ConfigError(f"no memory model for strategy {strategy.name!r}")
     return [one] * world
@@ -158,6 +180,7 @@ class _Model:
     state: OptimizerState
     world: int
     activation_bytes: int
+    foreach: bool = False
 
     @property
     def frozen_bytes(self) -> int:
@@ -168,11 +191,13 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.dtype.itemsize
 
 
-def _plain(state: OptimizerState, params: list[nn.Parameter], activations: int) -> RankMemory:
+def _plain(state: OptimizerState, params: list[nn.Parameter], activations: int, foreach: bool = False) -> RankMemory:
     """One process: every parameter, a gradient each, the optimizer's state on each trainable one."""
     trainable = [p for p in params if p.requires_grad]
+    stepped = [(p.numel(), p.dtype) for p in trainable]
     return RankMemory(params=sum(_bytes(p) for p in params), grads=sum(_bytes(p) for p in trainable),
-                      optimizer=state.bytes([(p.numel(), p.dtype) for p in trainable]), activations=activations)
+                      optimizer=state.bytes(stepped), activations=activations,
+                      workspace=state.workspace(stepped, foreach))
 
 
 def bucket_layout(params: list[nn.Parameter], caps: list[int], reduction: Reduction, find_unused: bool,
@@ -200,10 +225,10 @@ def _data_parallel(m: _Model, strategy: DDP, local_world: int, arrival) -> RankM
         raise ConfigError(f"hierarchical needs whole nodes: world {m.world}, {local_world} per node")
     reduction, layout = data_parallel_layout(m.trainable, strategy, local_world, arrival)
     sizes = [buffer_numel(b, reduction.pad_to) * b[0].dtype.itemsize for b in layout]
-    plain = _plain(m.state, list(m.module.parameters()), 0)
+    plain = _plain(m.state, list(m.module.parameters()), 0, m.foreach)
     chunks = sum(s // reduction.pad_to for s in sizes) if isinstance(strategy, Hierarchical) else 0
     return RankMemory(params=plain.params, grads=sum(sizes), optimizer=plain.optimizer, comm_buffers=chunks,
-                      activations=m.activation_bytes // m.world)
+                      activations=m.activation_bytes // m.world, workspace=plain.workspace)
 
 
 def meta_like(params: list[nn.Parameter], dtype: torch.dtype | None) -> dict[nn.Parameter, nn.Parameter]:
@@ -233,12 +258,14 @@ def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
     master_bytes = stepped if masters else 0
     slices = sum(n // m.world * dt.itemsize for n, dt, _ in flats)
     grads = (compute if strategy.stage == 1 else slices) + master_bytes
-    optimizer = m.state.bytes([(n // m.world, mt if masters else dt) for n, dt, mt in flats])
+    mine = [(n // m.world, mt if masters else dt) for n, dt, mt in flats]
+    optimizer = m.state.bytes(mine)
     largest = sorted((n * dt.itemsize for n, dt, _ in flats), reverse=True)[:2]
     return RankMemory(params=m.frozen_bytes + compute + master_bytes, grads=grads, optimizer=optimizer,
                       comm_buffers=sum(largest) if strategy.stage == 2 else 0,
                       activations=m.activation_bytes // m.world,
-                      host=2 * master_bytes + optimizer if strategy.offload else 0)
+                      host=2 * master_bytes + optimizer if strategy.offload else 0,
+                      workspace=0 if strategy.offload else m.state.workspace(mine, m.foreach))
 
 
 def zero3_flats(model: nn.Module, strategy: ZeRO, group_of: dict[nn.Parameter, int]) -> dict[str, list[list[nn.Parameter]]]:
@@ -269,7 +296,8 @@ def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
                       comm_buffers=max((b for bs in full.values() for b in bs), default=0),
                       gathered=sum(full.get("", [])) + sum(others),
                       activations=m.activation_bytes // m.world,
-                      host=2 * shard_bytes + optimizer if strategy.offload else 0)
+                      host=2 * shard_bytes + optimizer if strategy.offload else 0,
+                      workspace=0 if strategy.offload else m.state.workspace(shards, m.foreach))
 
 
 def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
@@ -288,7 +316,7 @@ def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
         micro = strategy.microbatches
         in_flight = micro if strategy.schedule == "gpipe" else min(micro, strategy.stages - s)
         activations = m.activation_bytes * in_flight // (replicas * strategy.stages * micro)
-        plain = _plain(m.state, params, activations)
+        plain = _plain(m.state, params, activations, m.foreach)
         stages.append(RankMemory(params=plain.params, grads=grads, optimizer=plain.optimizer,
-                                 activations=activations))
+                                 activations=activations, workspace=plain.workspace))
     return [stages[r % strategy.stages] for r in range(m.world)]

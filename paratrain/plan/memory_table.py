@@ -14,7 +14,7 @@ from paratrain.parallel.zero import ZeRO
 from paratrain.plan.memory import RankMemory, predict
 from paratrain.plan.model_source import ModelSource
 
-FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations", "host")
+FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations", "workspace", "host")
 
 
 def strategies(gpus: int, batch: int | None = None) -> list[Strategy]:
@@ -32,7 +32,7 @@ def _microbatches(stages: int, replica_batch: int) -> int:
 
 
 def memory_rows(source: ModelSource, *, gpus: int, gpus_per_node: int | None, optimizer: str,
-                activation_bytes: int, chosen: list[Strategy] | None = None) -> list[dict]:
+                activation_bytes: int, chosen: list[Strategy] | None = None, foreach: bool = False) -> list[dict]:
     """One row per strategy (`chosen`, default `strategies(gpus)`): the figures of its fullest
     rank (largest device_peak), or `error`."""
     rows = []
@@ -40,7 +40,8 @@ def memory_rows(source: ModelSource, *, gpus: int, gpus_per_node: int | None, op
         row: dict = {"strategy": strategy.name, "label": label(strategy)}
         try:
             ranks = predict(source.build(), strategy, world=gpus, optimizer=optimizer,
-                            local_world=min(gpus_per_node or gpus, gpus), activation_bytes=activation_bytes)
+                            local_world=min(gpus_per_node or gpus, gpus), activation_bytes=activation_bytes,
+                            foreach=foreach)
         except ParatrainError as e:  # a strategy that does not fit this model or world
             rows.append({**row, "error": str(e)})
             continue
@@ -63,16 +64,17 @@ def _figures(memory: RankMemory) -> dict:
 
 def describe_memory(rows: list[dict], *, gpus: int, optimizer: str, size) -> str:
     """The text table; `size` formats bytes."""
-    head = ["strategy", "params", "grads", "optimizer", "comm", "gathered", "activations", "device peak"]
+    head = ["strategy", "params", "grads", "optimizer", "comm", "gathered", "activations", "opt. step", "device peak"]
     lines = [f"memory per rank on {gpus} device(s), {optimizer} (the fullest rank; exact: params, grads, "
-             "optimizer; upper bounds: comm, gathered; approximate: activations):",
+             "optimizer; upper bounds: comm, gathered; approximate: activations, the optimizer step's "
+             "temporaries; the peak holds the larger of comm + gathered + activations and opt. step):",
              "  " + "".join(f"{h:>13}" if i else f"{h:<14}" for i, h in enumerate(head))]
     for row in rows:
         if "error" in row:
             lines.append(f"  {row['label']:<14}not planned: {row['error'].split(';')[0]}")
             continue
         cells = [row[k] for k in ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations",
-                                  "device_peak")]
+                                  "workspace", "device_peak")]
         host = f"  (+{size(row['host'])} in CPU memory)" if row["host"] else ""
         lines.append(f"  {row['label']:<14}" + "".join(f"{size(c):>13}" for c in cells) + host)
     return "\n".join(lines)

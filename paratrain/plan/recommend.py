@@ -72,7 +72,8 @@ def spread(gpus: int, per_node: int) -> int:
 def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Cluster, chosen: list[Strategy],
           *, gpus: int, nodes: int, optimizer: str) -> list[dict]:
     memory = memory_rows(source, gpus=gpus, gpus_per_node=gpus // nodes, optimizer=optimizer,
-                         activation_bytes=step.activation_peak_bytes, chosen=chosen)
+                         activation_bytes=step.activation_peak_bytes, chosen=chosen,
+                         foreach=cluster.device == "cuda")
     out = []
     for strategy, row in zip(chosen, memory):
         if "error" in row:
@@ -185,7 +186,7 @@ def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gp
 
     def peak(n: int, strategy: Strategy, activations: int) -> int:
         row = memory_rows(source, gpus=n, gpus_per_node=min(n, cluster.gpus_per_node), optimizer=optimizer,
-                          activation_bytes=activations, chosen=[strategy])[0]
+                          activation_bytes=activations, chosen=[strategy], foreach=cluster.device == "cuda")[0]
         return row["device_peak"] if "error" not in row else 1 << 62
 
     ways = []
