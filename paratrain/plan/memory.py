@@ -33,9 +33,9 @@ from (the functions named are the ones the strategies themselves call):
   units (the running one and the prefetched one; one without prefetch), in param_dtype.
 - activations: APPROXIMATE: `activation_bytes` (model_probe's StepCount.activation_peak_bytes for
   the global batch: the most its forward and backward hold at once beyond the model's state, the
-  saved activations, their gradients and temporaries) times this rank's share of the batch, 1/N; for a pipeline stage, of its replica's
-  batch, spread evenly over the stages, times the micro-batches in flight (GPipe m, 1F1B
-  min(m, S - s)) over m.
+  saved activations, their gradients and temporaries) times this rank's share of the batch, 1/N;
+  for a pipeline stage, of its replica's batch, spread evenly over the stages, times the
+  micro-batches in flight (GPipe m, 1F1B min(m, S - s)) over m.
 - host: how much of params + grads + optimizer is in CPU memory (ZeRO's offload).
 - workspace: the optimizer step's temporaries (OptimizerState.workspace: Adam's, two of the
   tensor it steps and the previous one's on the CPU, one of each at once with foreach on CUDA),
