@@ -120,8 +120,9 @@ def test_readme_session_table_is_consistent_with_bench_json():
     labels = {"tiny": "tiny MLP", "mlp": "MLP 18.9 M", "transformer": "small GPT 9.7 M"}
     for r in bench["results"]:
         o = next(x for x in off["results"] if (x["model"], x["case"]) == (r["model"], r["case"]))
-        row = (f"| {labels[r['model']]} | {r['case']} | {r['plain_ms']:.2f} | {r['session_ms']:.2f} | {r['ratio']:.3f} | "
-               f"{r['added_ms_per_microbatch']:.3f} | {o['ratio']:.3f} |")
+        row = (f"| {labels[r['model']]} | {r['case']} | {r['plain_ms']:.2f} | {r['session_ms']:.2f} | "
+               f"{r['ratio']:.3f} ± {r['ratio_error']:.3f} | {r['added_ms_per_microbatch']:.3f} | "
+               f"{o['ratio']:.3f} ± {o['ratio_error']:.3f} | {o['added_ms_per_microbatch']:.3f} |")
         assert row in readme, row
         assert r["max_param_diff"] == 0 and o["max_param_diff"] == 0  # the same steps as the plain loop
     rows = re.findall(r"^\| (?:tiny MLP|MLP 18\.9 M|small GPT 9\.7 M) \| (?:ddp|zero2|zero3|ddp-acc4) \|", readme, re.M)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain as pt
-from paratrain.plan.memory import OPTIMIZERS, OptimizerState, RankMemory, predict
+from paratrain.plan.memory import RankMemory, predict
+from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
 from paratrain.testing import run_on_ranks
 
 UNITS = pt.WrapPolicy(module_classes=(nn.Linear,))
@@ -168,11 +169,11 @@ def test_optimizer_state_from_a_torch_optimizer():
 @pytest.mark.parametrize("foreach", [False, True])
 def test_the_optimizer_workspace_is_what_torchs_adam_makes_in_a_step(foreach):
     """OptimizerState.workspace against the temporaries a real step of torch.optim.Adam makes,
-    their lifetimes counted op by op (model_probe.Lifetimes), the parameters, gradients and state
+    their lifetimes counted op by op (fake_step.Lifetimes), the parameters, gradients and state
     left out: single-tensor (the CPU's default) two of the one it steps and the previous result,
     foreach one of each."""
     from torch.multiprocessing.reductions import StorageWeakRef
-    from paratrain.plan.model_probe import Lifetimes
+    from paratrain.plan.fake_step import Lifetimes
 
     params = [nn.Parameter(torch.zeros(n)) for n in (300, 1000, 200)]
     for p in params:

@@ -20,7 +20,7 @@ and storages, no memory, no arithmetic), and one forward and one backward of one
   (llama-2-70b: 128 GiB). With `param_dtype` the parameters are in that dtype: nothing is copied.
 - Transient bytes: the most bytes the forward and backward hold at once beyond the model's
   parameters, buffers and the parameters' gradients: saved activations, their gradients and every
-  temporary, from the lifetime of each storage an op makes (`Lifetimes`, a TorchDispatchMode:
+  temporary, from the lifetime of each storage an op makes (fake_step.Lifetimes, a TorchDispatchMode:
   born at the op that made it, dead at the first op after its last reference went; an op's
   inputs and outputs count as alive together). The activation part of a step's peak memory
   (memory.py), where activation_bytes alone leaves out the backward's gradients of activations
@@ -37,22 +37,19 @@ which saves nothing, so a real loss adds what it saves (cross-entropy: about its
 from __future__ import annotations
 
 import functools
-import gc
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from paratrain.activation_checkpointing import Which, checkpoint_activations, select
 from paratrain.errors import ConfigError
+from paratrain.plan.fake_step import CPU_ATTENTION_FLOPS, Lifetimes, faked, fused_attention
 from paratrain.plan.model_source import ModelSource
 from paratrain.plan.repeated_blocks import Stack, cut, extend, extend_blocks, find_stack
 from paratrain.precision import PRECISIONS
@@ -212,118 +209,8 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
                      block_output_bytes=outputs, checkpointed=checkpointed, transient_bytes=transient)
 
 
-class Lifetimes(TorchDispatchMode):
-    """When each storage an op makes is born and dies, in ops (module docstring: transient bytes).
-    `ignore`: storages never counted (the model's fake parameters and buffers)."""
-
-    def __init__(self, ignore: set[StorageWeakRef]):
-        super().__init__()
-        self._collecting = False  # the cyclic GC, off while this lasts: a cycle's storages die at
-        # the same op in every run (counts from 1 and 2 blocks extend to the whole one exactly)
-        self.ignore = ignore
-        self.clock = 0  # ops run so far
-        self.alive: dict[StorageWeakRef, int] = {}  # storage -> its index in `spans`
-        self.spans: list[list] = []  # [born, bytes, died or None, storage]
-
-    def __enter__(self):
-        self._collecting = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        if self._collecting:
-            gc.enable()
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.clock += 1
-        for ref in [ref for ref in self.alive if ref.expired()]:  # a freed storage's address may be reused
-            self.spans[self.alive.pop(ref)][2] = self.clock
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                ref = StorageWeakRef(t.untyped_storage())
-                if ref not in self.alive and ref not in self.ignore:
-                    self.alive[ref] = len(self.spans)
-                    self.spans.append([self.clock, t.untyped_storage().nbytes(), None, ref])
-        return out
-
-    def peak(self, leaving_out: set[StorageWeakRef] = frozenset()) -> int:
-        """The most bytes alive at once, without the storages in `leaving_out` still alive at
-        the end (the parameters' gradients). At one op, births count before deaths."""
-        events = []
-        for born, nbytes, died, ref in self.spans:
-            if died is None and ref in leaving_out:
-                continue
-            events.append((born, 0, nbytes))
-            if died is not None:
-                events.append((died, 1, -nbytes))
-        live = peak = 0
-        for _, _, change in sorted(events):
-            live += change
-            peak = max(peak, live)
-        return peak
-
-
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-@contextmanager
-def fused_attention():
-    """Attention as a fused kernel on a GPU runs it. `F.scaled_dot_product_attention` is called with
-    dropout_p = 0 while this lasts, so that the CPU takes its flash kernel: it has none with
-    dropout, and its math path would save the T×T scores and the dropout mask, where flash
-    attention on a GPU keeps only its dropout's RNG seed. The FLOPs are the same. (Replaced in the
-    module, as models call it, because a TorchFunctionMode does not reach the recompute of a
-    checkpointed block in backward.)"""
-    original = F.scaled_dot_product_attention
-
-    def without_dropout(query, key, value, *args, **kwargs):
-        kwargs = {**dict(zip(SDPA_OPTIONS, args)), **kwargs, "dropout_p": 0.0}
-        return original(query, key, value, **kwargs)
-
-    F.scaled_dot_product_attention = without_dropout
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
-
-
-SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # after query, key, value
-
-# FlopCounterMode knows the GPU attention kernels; the CPU's flash kernel does the same work
-CPU_ATTENTION_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v),
-}
-
-
-@contextmanager
-def faked(model: nn.Module, mode: FakeTensorMode) -> Iterator[set[StorageWeakRef]]:
-    """`model`'s parameters and buffers swapped, in place, for fake CPU tensors of the same shape
-    and dtype (tied ones stay tied) while this lasts; yields the storages of the fakes."""
-    made: dict[int, torch.Tensor] = {}
-    swapped = []  # (table, name, the tensor put back after)
-    with mode:
-        for module in model.modules():
-            for table, wrap in ((module._parameters, True), (module._buffers, False)):
-                for name, t in table.items():
-                    if t is None:
-                        continue
-                    if id(t) not in made:
-                        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-                        made[id(t)] = nn.Parameter(fake, t.requires_grad) if wrap else fake
-                    swapped.append((table, name, t))
-                    table[name] = made[id(t)]
-    try:
-        yield {StorageWeakRef(t.untyped_storage()) for t in made.values()}
-    finally:
-        for table, name, t in swapped:
-            table[name] = t
 
 
 def _blocks(model: nn.Module) -> tuple[str, ...]:

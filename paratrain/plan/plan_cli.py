@@ -82,7 +82,7 @@ from paratrain.errors import ConfigError
 from paratrain.plan.calibrate import Settings, calibrate
 from paratrain.plan.cluster import PRESETS as CLUSTERS
 from paratrain.plan.cluster import Cluster, load_cluster, save_cluster
-from paratrain.plan.memory import OPTIMIZERS
+from paratrain.plan.optimizer_state import OPTIMIZERS
 from paratrain.plan.memory_table import describe_memory, memory_rows
 from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts
 from paratrain.plan.model_source import PRESETS as MODELS
