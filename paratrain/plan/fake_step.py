@@ -75,7 +75,7 @@ def faked(model: nn.Module, mode: FakeTensorMode) -> Iterator[set[StorageWeakRef
 
 
 class Lifetimes(TorchDispatchMode):
-    """When each storage an op makes is born and dies, in ops (module docstring: transient bytes).
+    """When each storage an op makes is born and dies, in ops (model_probe's docstring: transient bytes).
     `ignore`: storages never counted (the model's fake parameters and buffers)."""
 
     def __init__(self, ignore: set[StorageWeakRef]):
