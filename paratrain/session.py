@@ -140,6 +140,8 @@ class Session(JobFacts, SessionCheckpoints):
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid,
                                                          init=MetaInit(self.seed, init_fn))
         retire_replaced(optimizer, self.optimizer, self.strategy.name)
+        if self.nan_check:
+            self.model.watch_reductions()
         self.loader = self.shard_loader(loader) if loader is not None else None
         self.step_boundary = position(self) if self.accumulate > 1 else None
         out = [self.model] + [x for x in (self.optimizer, self.loader) if x is not None]

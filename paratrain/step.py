@@ -9,7 +9,8 @@ Per optimizer step, on the gradients `local_grads()` returns (parallel/base.py):
                 before the optimizer steps: replicated strategies hold the same averaged
                 gradients everywhere, so each rank checks its own; sharded ones reduce one flag
                 over the holders, or, when every rank saw each reduction whole and the model is
-                small, each sums those (ParallelModule.reduced_finite). With clipping the global
+                small, each sums those (ParallelModule.reduced_finite); DDP sums each bucket as
+                its all-reduce completes (buckets.AllReduce). With clipping the global
                 norm is that check.
     clip        by the global norm (clip_grad_norm_)
     step        and zero the gradients

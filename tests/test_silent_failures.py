@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
-from paratrain.parallel.zero.collectives import ReducedSums
+from paratrain.parallel.buckets import ReducedSums
 from paratrain.testing import max_param_diff, run_on_ranks
 from models import make_batches, make_model
 
@@ -33,9 +33,13 @@ def _nan_gradient(topo, strategy, tmp, limit=None):
     `limit`: ReducedSums.LIMIT for ZeRO (0: the check all-reduces a flag, whatever the size)."""
     if limit is not None:
         ReducedSums.LIMIT = limit
-    session = pt.Session(strategy, topology=topo, progress_bar=False)
+    hook = strategy.endswith("-fp16-hook")  # DDP's check then reads the buckets at the step
+    session = pt.Session(strategy.removesuffix("-fp16-hook"), topology=topo, progress_bar=False)
     model = make_model("mlp")
     model, opt = session.setup(model, _sgd(model))
+    if hook:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+        model.register_comm_hook(None, fp16_compress_hook)
     poison = {"on": False}
     if topo.rank == 1:  # NaN enters the first layer's gradients through its output's gradient
         def poisoned(module, args, out):
@@ -56,8 +60,8 @@ def _nan_gradient(topo, strategy, tmp, limit=None):
     return error, max_param_diff(before, after)
 
 
-@pytest.mark.parametrize("strategy, limit", [("ddp", None), ("zero1", None), ("zero2", None), ("zero3", None),
-                                             ("zero2", 0), ("zero3", 0)])
+@pytest.mark.parametrize("strategy, limit", [("ddp", None), ("ddp-fp16-hook", None), ("zero1", None), ("zero2", None),
+                                             ("zero3", None), ("zero2", 0), ("zero3", 0)])
 def test_a_nan_gradient_stops_every_rank_before_the_step(strategy, limit, tmp_path):
     """ZeRO's small models: each rank sums the whole reductions it saw (ReducedSums); limit 0:
     the owners check their slices and all-reduce a flag."""
@@ -96,6 +100,31 @@ def test_a_small_zero_model_checks_its_gradients_without_a_collective(strategy):
     the session added); above it, the flag."""
     assert run_on_ranks(_flag_all_reduces, 2, strategy, ReducedSums.LIMIT) == [0, 0]
     assert run_on_ranks(_flag_all_reduces, 2, strategy, 0) == [1, 1]
+
+
+def _ddp_check_answer(topo, nan_check, hook):
+    """What DDP's reduced_finite() says after one synchronised backward (None: the step's check
+    would read the buckets again); `hook`: fp16 compression registered after setup."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    session = pt.Session("ddp", topology=topo, progress_bar=False, nan_check=nan_check)
+    model = make_model("mlp")
+    model, _ = session.setup(model, _sgd(model))
+    if hook:
+        model.register_comm_hook(None, fp16_compress_hook)
+    x, y = XS[0].chunk(2)[topo.rank], YS[0].chunk(2)[topo.rank]
+    session.backward(F.cross_entropy(model(x), y))
+    answer = model.reduced_finite()
+    return None if answer is None else bool(answer)
+
+
+def test_ddp_sums_its_buckets_for_the_check_only_when_the_session_checks():
+    """Session(nan_check=True) has DDP sum each bucket as its all-reduce completes, so the step's
+    check reads no gradient again; a plain session (or a plain pt.DDP) pays for no sum, and a
+    communication hook reduces its own way (the step's check then reads the buckets: the NaN test
+    above covers both paths)."""
+    assert run_on_ranks(_ddp_check_answer, 2, True, False) == [True, True]
+    assert run_on_ranks(_ddp_check_answer, 2, False, False) == [None, None]
+    assert run_on_ranks(_ddp_check_answer, 2, True, True) == [None, None]
 
 
 def _load_newest(topo, tmp):

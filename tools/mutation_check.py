@@ -214,6 +214,10 @@ MUTANTS = [
            (("    groups.clear()  # here", "    groups = []  # here"),
             ("    while any(sys.getrefcount(g) > 3 for g in groups)", "    while False and any(sys.getrefcount(g) > 3 for g in groups)")),
            ("tests/test_topology.py",)),
+    Mutant("ddp-sums-nothing", "DDP's all-reduce never sums its buckets for the finite check",
+           "paratrain/parallel/buckets.py",
+           (("                self.sums.add(buffer)", "                pass"),),
+           ("tests/test_silent_failures.py",)),
 ]
 
 

@@ -151,9 +151,15 @@ class ParallelModule(nn.Module):
     def reduced_finite(self) -> torch.Tensor | None:
         """Whether every gradient reduced since the last call is finite, known on every rank
         without a collective (a 0-dim bool tensor), or None when this rank cannot tell alone;
-        called once per optimizer step. Sharded strategies that see each reduction whole say
-        (zero/collectives.py, ReducedSums); replicated ones need not: local_grads() is all."""
+        called once per optimizer step. Strategies that see each reduction whole may say
+        (buckets.py, ReducedSums): ZeRO's small models, and DDP once watch_reductions() was called."""
         return None
+
+    def watch_reductions(self) -> None:
+        """The finite check is on (Session(nan_check=True)): sum each gradient reduction as it
+        completes if that is how this strategy answers reduced_finite() cheapest (DDP: the check
+        reads every gradient anyway, and reading each bucket while the later ones are in flight
+        hides part of it). Plain users of the wrapper never call it and pay nothing."""
 
     def check_loader(self, loader: Any) -> None:
         pass

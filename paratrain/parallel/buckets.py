@@ -67,6 +67,32 @@ class Bucket:
         return flat[self.offsets[slot]:self.offsets[slot] + p.numel()].view_as(p)
 
 
+class ReducedSums:
+    """The finite-gradient check (step.py) folded into the reduction: where a rank holds each
+    reduction whole (DDP's all-reduce; ZeRO's all-reduce path and stage 1), a sum of every
+    reduced buffer, taken as its reduction completes, tells it whether any element on any rank is
+    NaN or infinite, with no second read of the gradients at the step and no collective (after a
+    reduce-scatter only a slice's owner could tell, and a flag all-reduced over the ranks told the
+    rest). Sums of finite values past the float range would be a false alarm, at gradients of
+    1e38. ZeRO uses it up to `LIMIT` trainable elements (zero/collectives.py, reduced_sums_for)."""
+
+    LIMIT = 1 << 20
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+
+    def add(self, flat: torch.Tensor) -> None:
+        """`flat` is a whole reduced buffer (after its work's wait)."""
+        total = flat.detach().sum(dtype=torch.float32)
+        self.total = total if self.total is None else self.total.add_(total)
+
+    def take(self) -> torch.Tensor | None:
+        """Whether every sum was finite (a 0-dim bool tensor), or None when none was taken;
+        starts the next count."""
+        total, self.total = self.total, None
+        return torch.isfinite(total) if total is not None else None
+
+
 class Reduction:
     """How full buckets are reduced. `start(bucket)` is called in bucket order as each fills;
     `finish()` waits for every started one, after which each bucket holds the average (the
@@ -79,6 +105,7 @@ class Reduction:
     # what a user whose parameter got no gradient can do (grad_sync.py names the parameters)
     unused_advice: str = "pass find_unused_parameters=True to DistributedDataParallel (or pt.DDP)"
     prescale: bool = True  # gradients enter their bucket multiplied by 1/N
+    sums: ReducedSums | None = None  # set: each reduced buffer is summed as it completes
 
     def key(self, p: nn.Parameter) -> Any:
         """Parameters with different keys never share a bucket."""
@@ -96,17 +123,24 @@ class Reduction:
 
 @dataclass
 class AllReduce(Reduction):
-    """DDP's reduction: one asynchronous all-reduce per bucket."""
+    """DDP's reduction: one asynchronous all-reduce per bucket. With `sums` set (the session's
+    finite check, DDP.watch_reductions) each bucket is summed as soon as its all-reduce is done,
+    while the later ones are still in flight: one read of the gradients the check needs anyway,
+    partly hidden (bench/session.py, MLP 18.9 M: the check cost 6.7 ms per step read after the
+    wait, 4.6 ms read here)."""
 
     group: dist.ProcessGroup | None = None
-    works: list[dist.Work] = field(default_factory=list)
+    works: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
+    sums: ReducedSums | None = None
 
     def start(self, bucket: Bucket) -> None:
-        self.works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+        self.works.append((dist.all_reduce(bucket.buffer, group=self.group, async_op=True), bucket.buffer))
 
     def finish(self) -> None:
-        for work in self.works:  # each wait honours the group's timeout
+        for work, buffer in self.works:  # each wait honours the group's timeout
             work.wait()
+            if self.sums is not None:
+                self.sums.add(buffer)
         self.works.clear()
 
 

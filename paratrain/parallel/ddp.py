@@ -37,7 +37,7 @@ from paratrain.errors import ConfigError, UsageError
 from paratrain.grid import ProcessGrid
 from paratrain.materialize import MetaInit, whole
 from paratrain.parallel.base import ParallelModule, Strategy, owned
-from paratrain.parallel.buckets import AllReduce, Reduction, default_caps
+from paratrain.parallel.buckets import AllReduce, ReducedSums, Reduction, default_caps
 from paratrain.parallel.comm_hooks import CommHookReduction, check_comm_hook
 from paratrain.parallel.ddp_join import DDPJoinHook, training_rank_collectives
 from paratrain.parallel.grad_sync import GradSync
@@ -176,6 +176,16 @@ class DistributedDataParallel(ParallelModule, Joinable):
     @property
     def join_process_group(self) -> Any:
         return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def watch_reductions(self) -> None:
+        """Sum each bucket as its all-reduce completes (buckets.AllReduce); a communication hook
+        registered later reduces its own way, and the check then reads the buckets at the step."""
+        if isinstance(self._grad_sync.reduction, AllReduce):
+            self._grad_sync.reduction.sums = ReducedSums()
+
+    def reduced_finite(self) -> torch.Tensor | None:
+        sums = self._grad_sync.reduction.sums
+        return sums.take() if sums is not None else None
 
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         """The buckets: every gradient is a view into one, so scaling or checking a few flat

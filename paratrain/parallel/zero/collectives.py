@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm import all_gather_single, global_rank, reduce_scatter_single
+from paratrain.parallel.buckets import ReducedSums
 
 
 @dataclass(frozen=True)
@@ -30,36 +31,13 @@ class OwnerCollectives:
         return cls(reduce_scatter=not gloo, all_gather=not gloo)
 
 
-class ReducedSums:
-    """The finite-gradient check (step.py) without its collective, where every rank holds each
-    reduction whole (the all-reduce path, and stage 1): a sum of every reduced buffer tells each
-    rank whether any element, in any rank's slice, is NaN or infinite, where after a
-    reduce-scatter only a slice's owner could tell and a flag all-reduced over the ranks told the
-    rest. Summing reads all Ψ reduced gradients where the owners' check reads Ψ/N, so models use it
-    up to `LIMIT` trainable elements, below which one sum costs less than that all-reduce (about
-    0.3-0.6 ms per step on gloo with bench/session.py's tiny model; summing 1M floats, ~0.2 ms)."""
-
-    LIMIT = 1 << 20
-
-    def __init__(self) -> None:
-        self.total: torch.Tensor | None = None
-
-    def add(self, flat: torch.Tensor) -> None:
-        """`flat` is a whole reduced buffer (after its work's wait)."""
-        total = flat.detach().sum(dtype=torch.float32)
-        self.total = total if self.total is None else self.total.add_(total)
-
-    def take(self) -> torch.Tensor | None:
-        """Whether every sum was finite (a 0-dim bool tensor), or None when none was taken;
-        starts the next count."""
-        total, self.total = self.total, None
-        return torch.isfinite(total) if total is not None else None
-
-
 def reduced_sums_for(elements: int, scatter: bool) -> ReducedSums | None:
     """A ReducedSums where each rank sees every reduction whole (`scatter`: reduce-scatters, which
     leave each rank its slice only) and the gradients reduced per step (`elements`) are few
-    enough to gain."""
+    enough to gain: summing reads all Ψ reduced gradients where the owners' check reads Ψ/N, so
+    up to `ReducedSums.LIMIT` trainable elements, below which one sum costs less than the flag's
+    all-reduce (about 0.3-0.6 ms per step on gloo with bench/session.py's tiny model; summing 1M
+    floats, ~0.2 ms)."""
     return ReducedSums() if not scatter and elements <= ReducedSums.LIMIT else None
 
 

@@ -40,8 +40,8 @@ from torch import nn
 
 from paratrain.comm import all_gather_single
 from paratrain.parallel.base import FlatLayout
-from paratrain.parallel.buckets import padded_numel
-from paratrain.parallel.zero.collectives import ReducedSums, add_into, gather_from_owners, reduce_to_owners
+from paratrain.parallel.buckets import ReducedSums, padded_numel
+from paratrain.parallel.zero.collectives import add_into, gather_from_owners, reduce_to_owners
 
 
 @dataclass(frozen=True)

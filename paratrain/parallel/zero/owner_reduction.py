@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.parallel.buckets import Bucket, Reduction
-from paratrain.parallel.zero.collectives import ReducedSums, add_into, reduce_to_owners
+from paratrain.parallel.buckets import Bucket, ReducedSums, Reduction
+from paratrain.parallel.zero.collectives import add_into, reduce_to_owners
 
 
 @dataclass
