@@ -27,8 +27,12 @@ def _train_sharded(topo, name, stage, optim, accumulate, forced=False):
     return pt.full_state_dict(model)
 
 
+def _batch(world):
+    return 18 if world % 3 == 0 else GLOBAL_BATCH  # equal pieces per rank
+
+
 def _reference(name, world, accumulate, optim):
-    return reference(name, optim, world=world, accumulate=accumulate, steps=STEPS, global_batch=GLOBAL_BATCH)
+    return reference(name, optim, world=world, accumulate=accumulate, steps=STEPS, global_batch=_batch(world))
 
 
 CASES = [(stage, name, world, optim, 1, False) for stage in (1, 2) for name in ("mlp", "tied", "bn")
@@ -94,11 +98,16 @@ def _policy(name):
     return WrapPolicy(module_classes=(nn.Linear,)) if name != "bn" else WrapPolicy(min_params=40)
 
 
-def _train_stage3(topo, name, optim, accumulate, forced=False):
+def _train_stage3(topo, name, optim, accumulate, forced=False, own_flats=False):
+    """`own_flats`: every root parameter a flat of its own, whose first gradient is the flat's
+    buffer as autograd made it (units.py, [Note: the root's big parameters])."""
+    if own_flats:
+        from paratrain.parallel.zero import units
+        units.OWN_FLAT_ELEMENTS = 1
     model = make_model(name)
     model, opt = pt.shard(model, make_optimizer(optim, model.parameters()), stage=3,
                           wrap_policy=_policy(name), collectives=FORCED if forced else None)
-    train_on_rank(topo, model, opt, steps=STEPS, global_batch=GLOBAL_BATCH, accumulate=accumulate)
+    train_on_rank(topo, model, opt, steps=STEPS, global_batch=_batch(topo.world_size), accumulate=accumulate)
     return pt.full_state_dict(model), len(model.units)
 
 
@@ -109,9 +118,14 @@ CASES3 += [("mlp", 2, "adam", 1, True), ("tied", 4, "sgd", 2, True)]  # all-gath
 CASES3 += [("stack", 2, "adam", 1, False)]  # the list's owner is the unit: the list is never called
 
 
+CASES3 += [(name, world, optim, accumulate, "own flats") for name, world, optim, accumulate in
+           [("tied", 2, "adam", 1), ("tied", 3, "sgd", 1), ("tied", 4, "sgd", 2), ("bn", 2, "adam", 1)]]
+
+
 @pytest.mark.parametrize("name,world,optim,accumulate,forced", CASES3)
 def test_stage3_matches_single_process(name, world, optim, accumulate, forced):
-    ours = run_on_ranks(_train_stage3, world, name, optim, accumulate, forced)
+    own_flats = forced == "own flats"
+    ours = run_on_ranks(_train_stage3, world, name, optim, accumulate, forced and not own_flats, own_flats)
     ref = _reference(name, world, accumulate, optim)
     for state, units in ours:
         assert units > 1

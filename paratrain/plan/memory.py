@@ -16,9 +16,9 @@ from (the functions named are the ones the strategies themselves call):
         parameters live in flat buffers of that layout; the optimizer steps slice r of each
         (stage12.py): a view, or fp32 master copies under param_dtype / offload, with fp32
         gradients of their own. Stage 1 keeps the full gradient buckets; stage 2 keeps slice r.
-    zero3: units from WrapPolicy.select, parameters by units.params_by_unit / flats_of, one flat
-        shard per unit and param group of padded_numel(numel, N) / N elements (flat_shard.py),
-        its gradient the same size; frozen parameters stay whole.
+    zero3: units from WrapPolicy.select, parameters by units.params_by_unit / flats_by_unit, one
+        flat shard per unit and param group (and per big root parameter) of padded_numel(numel, N)
+        / N elements (flat_shard.py), its gradient the same size; frozen parameters stay whole.
     The optimizer keeps `OptimizerState.per_element` tensors the size of each tensor it steps,
     in its dtype, plus `scalar_bytes` per tensor (Adam's `step`).
   A caveat for hierarchical only: its buckets are laid out again in the order gradients arrived,
@@ -65,7 +65,7 @@ from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.single import Single
 from paratrain.parallel.zero import ZeRO
 from paratrain.parallel.zero.owner_reduction import OwnerReduction
-from paratrain.parallel.zero.units import flats_of, owners_by_param, params_by_unit
+from paratrain.parallel.zero.units import flats_by_unit, owners_by_param, params_by_unit
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
 
 
@@ -231,8 +231,7 @@ def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
 def zero3_flats(model: nn.Module, strategy: ZeRO, group_of: dict[nn.Parameter, int]) -> dict[str, list[list[nn.Parameter]]]:
     """Each ZeRO-3 unit's flat shards' parameters (stage3.py), the wrap policy's units in model
     order, then the root ("")."""
-    units = params_by_unit(owners_by_param(model), strategy.wrap_policy.select(model))
-    return {name: flats_of(params, group_of) for name, params in units.items()}
+    return flats_by_unit(params_by_unit(owners_by_param(model), strategy.wrap_policy.select(model)), group_of)
 
 
 def stage_layout(trainable: list[nn.Parameter]) -> list[list[nn.Parameter]]:
@@ -241,7 +240,8 @@ def stage_layout(trainable: list[nn.Parameter]) -> list[list[nn.Parameter]]:
 
 
 def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
-    """Stage 3 (stage3.py, flat_shard.py): one flat shard per unit and param group."""
+    """Stage 3 (stage3.py, flat_shard.py): one flat shard per unit and param group, and per big
+    root parameter (units.flats_by_unit)."""
     full: dict[str, list[int]] = {}  # unit → its flats' full bytes
     shards: list[tuple[int, torch.dtype]] = []  # each flat's shard: (elements, dtype)
     for name, flats in zero3_flats(m.module, strategy, m.group_of).items():

@@ -8,8 +8,12 @@ Lifecycle (paired names, as in FSDP2's `FSDPParamGroup`):
     reshard()         free the full buffer (its storage, so tensors autograd saved stay valid
                       and are refilled by the next unshard before backward reads them)
     grad_arrived(i)   leaf i has its gradient; at the first, one zeroed full-size gradient
-                      buffer that backward fills in place ([Note: one leaf per use])
+                      buffer that backward fills in place ([Note: one leaf per use]), or, for
+                      a flat of one parameter, that gradient itself (units.py, [Note: the
+                      root's big parameters])
     start_grad_sync() once every use's gradient is in it: launch its reduction to the owners
+                      (partial=True: before the rest of its uses, which start a new buffer:
+                      [Note: a unit used twice])
     finish_grad_sync() wait; add this rank's slice to `shard.grad`; drop the full gradient
 
 [Note: one leaf per use]
@@ -28,6 +32,21 @@ runs them; a post-accumulate hook on each leaf counts them in, and the last star
 
 Leaves are views of `full.data`, whose version counter is not `full`'s: regathering into the
 buffer between forward and backward does not look like an in-place change of a saved tensor.
+
+[Note: a unit used twice]
+A GPT's root unit holds the embedding, tied to the head: the head's share of its gradient
+arrives at the start of backward and the embedding's at the end, so its full gradient buffer
+used to be held through every block's backward, where the blocks' own buffers, gathered units and
+recomputed activations peak (bench/big_model.py with activation checkpointing: 1.15 × its
+formula, the root's buffer 126 MiB of the excess; with units.py's [Note: the root's big
+parameters], which removes the copy of the head's share, 1.086 ×). Now, when another unit's backward starts,
+a flat whose gradient is part-way (some uses in, not all) is reduced at once (`partial=True`:
+its count of uses goes on), and its later uses fill a new buffer, reduced when the last is in;
+this rank's slice is the sum of the two reductions' (`add_into`), the same average up to the
+order of its additions. Once per flat per backward (`flushed`): a root whose parameters are used
+between many units (LayerNorms between Linear units) is reduced at most twice, not once per
+gap. The reduction is waited for there, before the next unit gathers: one reduce-scatter of the
+flat exposed per step, for one buffer fewer through the rest of backward.
 """
 
 from __future__ import annotations
@@ -82,6 +101,7 @@ class FlatShard:
         _free(self.full)
         self.grad: torch.Tensor | None = None  # the full gradient backward is filling
         self._arrived = 0  # leaves whose gradient this backward has added to `grad`
+        self.flushed = False  # a partial gradient was reduced this backward ([Note: a unit used twice])
         self.gathered = False
         self._gather_work: list[dist.Work] | None = None
         self._reduce: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None  # (work, slice, buffer)
@@ -130,6 +150,10 @@ class FlatShard:
         last of this backward's."""
         slot, leaf = self.leaves[index]
         arrived = leaf.grad
+        if self.grad is None and self._can_adopt(arrived):  # autograd's tensor is the buffer: no copy
+            self.grad = arrived.detach().view(-1)
+            for each_slot, each in self.leaves:
+                each.grad = _span(self.grad, each_slot)
         self.prepare_grad()
         span = _span(self.grad, slot)
         if arrived.data_ptr() != span.data_ptr():  # no buffer yet when it came, or a double backward
@@ -138,23 +162,40 @@ class FlatShard:
         self._arrived += 1
         return self._arrived == len(self.leaves)
 
+    def _can_adopt(self, arrived: torch.Tensor) -> bool:
+        """Whether a first gradient can be this flat's gradient buffer as it is: the flat is one
+        unpadded parameter and the tensor is the whole of its own storage ([Note: the root's big
+        parameters] in units.py)."""
+        return (len(self.slots) == 1 and self.padded == self.numel and arrived.dtype == self.full.dtype
+                and arrived.device == self.full.device and arrived.is_contiguous() and arrived.storage_offset() == 0
+                and arrived.untyped_storage().nbytes() == self.numel * arrived.element_size())
+
     @property
     def grad_pending(self) -> bool:
         """A gradient arrived that no reduction has taken yet (`grad` is made at the first)."""
         return self.grad is not None
 
+    @property
+    def grad_partial(self) -> bool:
+        """Some of this backward's uses are in the buffer, not all ([Note: a unit used twice])."""
+        return self.grad is not None and 0 < self._arrived < len(self.leaves)
+
     def end_backward(self) -> None:
         """Count the next backward's gradients afresh."""
-        self._arrived = 0
+        self._arrived, self.flushed = 0, False
 
     def drop_grad(self) -> None:
         for _, leaf in self.leaves:
             leaf.grad = None
         self.grad, self._arrived = None, 0
 
-    def start_grad_sync(self, scatter: bool) -> None:
-        grad = self.grad
+    def start_grad_sync(self, scatter: bool, *, partial: bool = False) -> None:
+        """Reduce the gradient buffer to the owners; `partial`: more uses will arrive this
+        backward, into a new buffer, and are still counted ([Note: a unit used twice])."""
+        grad, arrived = self.grad, self._arrived
         self.drop_grad()
+        if partial:
+            self._arrived, self.flushed = arrived, True
         grad.div_(self.world)  # summing pre-divided values: the mean, without fp16 overflow
         work, mine = reduce_to_owners(grad, self.group, rank=self.rank, world=self.world, scatter=scatter)
         self._reduce = work, mine, grad

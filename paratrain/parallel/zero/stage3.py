@@ -10,10 +10,13 @@ in forward order:
 
     forward   pre-hook:  wait for k's all-gather, start k+1's (prefetch); k's modules hold
                          views of the gathered buffer.   post-hook: free k (the root stays).
-    backward  hook on k's outputs: gather k again, start k-1's (prefetch).
+    backward  hook on k's outputs: reduce a unit's gradient that is part-way (the root's, from
+                         a tied head; [Note: a unit used twice]), gather k again, start k-1's (prefetch).
               post-accumulate hooks on k's leaves: at the first, wait for k+1's reduction and
               point k's leaves' gradients at one zeroed flat buffer (flat_shard.py, [Note: one
-              leaf per use]); at the last, start reducing the buffer to the owners, free k.
+              leaf per use]; a flat of one big root parameter takes autograd's gradient as
+              its buffer: [Note: the root's big parameters] in units.py); at the last, start
+              reducing the buffer to the owners, free k.
     end of backward (a callback queued on the autograd engine): wait for the reductions; each
               shard's `.grad` now holds this rank's slice of the averaged gradient.
 
@@ -40,7 +43,7 @@ from paratrain.precision import cast_floating
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, uncompiled, user_key
 from paratrain.parallel.zero.collectives import OwnerCollectives, reduced_sums_for
 from paratrain.parallel.zero.flat_shard import FlatShard
-from paratrain.parallel.zero.units import TrainingState, Unit, flatten, flats_of, owners_by_param, params_by_unit
+from paratrain.parallel.zero.units import TrainingState, Unit, build_units
 from paratrain.parallel.zero.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
 
 
@@ -72,11 +75,12 @@ class FullyShardedDataParallel(ParallelModule):
             broadcast_coalesced(list(module.parameters()) + list(module.buffers()), process_group)
         self._key_order = list(module.state_dict().keys())
         group_of = group_of or {p: 0 for p in module.parameters()}
-        self.shard_groups: list[int] = []  # the optimizer param group of each shard
         self.param_dtype = param_dtype
         wrap_policy = wrap_policy or DEFAULT_WRAP_POLICY
-        flat_options = dict(param_dtype=param_dtype, offload=offload, all_gather=self.collectives.all_gather)
-        self.units = self._build_units(wrap_policy.select(module), group_of, flat_options)
+        # the units, then the optimizer param group of each shard (units.py)
+        self.units, self.shard_groups = build_units(
+            module, wrap_policy.select(module), group_of, self._materialize, group=process_group, rank=self.rank,
+            world=self.world, param_dtype=param_dtype, offload=offload, all_gather=self.collectives.all_gather)
         self.shards = nn.ParameterList([f.shard for u in self.units for f in u.flats])
         self.state = TrainingState.IDLE
         self._sync_this_backward = True  # decided by the forward that built the graph
@@ -91,22 +95,10 @@ class FullyShardedDataParallel(ParallelModule):
                 for index, (_, leaf) in enumerate(flat.leaves):
                     leaf.register_post_accumulate_grad_hook(functools.partial(self._post_accumulate, flat, index))
 
-    # -- construction -----------------------------------------------------------------------------
-
-    def _build_units(self, names: list[str], group_of, flat_options: dict) -> list[Unit]:
-        owners = owners_by_param(self.module)
-        units = []
-        for name, params in params_by_unit(owners, names).items():
-            module = self.module.get_submodule(name) if name else self.module
-            if self._materializer is not None:  # the unit's parameters and buffers under it; at the root, the rest
-                self._materializer.materialize(params + list(module.buffers()) if name else None, self._device)
-            flats = []
-            for members in flats_of(params, group_of):
-                flats.append(flatten(members, owners, group=self.process_group, rank=self.rank, world=self.world,
-                                     **flat_options))
-                self.shard_groups.append(group_of[members[0]])
-            units.append(Unit(name, module, flats))
-        return units
+    def _materialize(self, name: str, module: nn.Module, params: list[nn.Parameter]) -> None:
+        """A meta-built unit's values: its parameters and the buffers under it; at the root, the rest."""
+        if self._materializer is not None:
+            self._materializer.materialize(params + list(module.buffers()) if name else None, self._device)
 
     # -- forward ------------------------------------------------------------------------------------
 
@@ -157,6 +149,8 @@ class FullyShardedDataParallel(ParallelModule):
             Variable._execution_engine.queue_callback(self._finish_backward)
             if all(s.grad is None for s in self.shards):  # a new step: the finite check starts afresh
                 self.reduced_finite()
+        if self._sync_this_backward and unit.name:
+            self._flush_partial(unit)
         self._unshard(unit)
         if self.prefetch:
             self._prefetch(unit, step=-1)
@@ -172,6 +166,16 @@ class FullyShardedDataParallel(ParallelModule):
             self._reducing = [flat]
             flat.start_grad_sync(self.collectives.reduce_scatter)
         flat.reshard()
+
+    def _flush_partial(self, unit: Unit) -> None:
+        """Before `unit`'s backward: reduce, and wait for, any other unit's gradient that is
+        part-way, once per backward ([Note: a unit used twice] in flat_shard.py)."""
+        for flat in (flat for other in self.units if other is not unit for flat in other.flats):
+            if flat.grad_partial and not flat.flushed:
+                self._settle_reduction()
+                flat.start_grad_sync(self.collectives.reduce_scatter, partial=True)
+                self._reducing = [flat]
+                self._settle_reduction()
 
     def _settle_reduction(self) -> None:
         for earlier in self._reducing:  # waiting frees its full gradient

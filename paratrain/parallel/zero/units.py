@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -46,10 +47,64 @@ def params_by_unit(owners, units: list[str]) -> dict[str, list[nn.Parameter]]:
     return by_unit
 
 
-def flats_of(params: list[nn.Parameter], group_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
-    """One unit's parameters as its flat shards hold them: one list per optimizer param group, in
-    group order."""
-    return [[p for p in params if group_of[p] == group] for group in sorted({group_of[p] for p in params})]
+OWN_FLAT_ELEMENTS = 1 << 20  # [Note: the root's big parameters]
+
+
+def flats_by_unit(by_unit: dict[str, list[nn.Parameter]],
+                  group_of: dict[nn.Parameter, int]) -> dict[str, list[list[nn.Parameter]]]:
+    """Each unit's flat shards' parameters (`by_unit`: params_by_unit's), as stage3.py builds them
+    and plan/memory.py counts them: in the root of a model cut into units, each parameter of at
+    least OWN_FLAT_ELEMENTS gets a flat of its own ([Note: the root's big parameters])."""
+    wrapped = len(by_unit) > 1
+    return {name: flats_of(params, group_of, alone=OWN_FLAT_ELEMENTS if wrapped and not name else None)
+            for name, params in by_unit.items()}
+
+
+def flats_of(params: list[nn.Parameter], group_of: dict[nn.Parameter, int],
+             alone: int | None = None) -> list[list[nn.Parameter]]:
+    """One unit's parameters as its flat shards hold them: per optimizer param group, in group
+    order, each parameter of at least `alone` elements by itself, then the rest together."""
+    flats = []
+    for group in sorted({group_of[p] for p in params}):
+        members = [p for p in params if group_of[p] == group]
+        big = {id(p) for p in members if alone is not None and p.numel() >= alone}
+        flats += [[p] for p in members if id(p) in big]
+        flats += [rest] if (rest := [p for p in members if id(p) not in big]) else []
+    return flats
+
+
+# [Note: the root's big parameters]
+# The root unit holds what no wrapped module does: a language model's embeddings, its head (tied
+# to the token embedding or not) and the final norm, used at both ends of forward. Their
+# gradients come whole, one use at a time: the head's at the start of backward, the embedding's
+# at its end. In a flat of its own, unpadded, such a gradient becomes the flat's gradient buffer
+# as autograd made it (flat_shard.py, `grad_arrived`), where a flat shared with the rest of the
+# root copied it into a zeroed buffer of the whole root, holding both at once with the root's
+# parameters gathered and the first block prefetched; and a tied weight's share from the head is
+# reduced before the blocks' backward ([Note: a unit used twice]), the embedding's share filling
+# a new buffer, again autograd's own. bench/big_model.py with activation checkpointing: 1.149 × its
+# formula before, 1.086 after (each change alone: no gain). Small parameters stay in one flat
+# (each flat is one more collective per gather and per reduction); blocks keep one flat each,
+# their gradients arriving together.
+
+
+def build_units(module: nn.Module, names: list[str], group_of: dict[nn.Parameter, int],
+                materialize: Callable[[str, nn.Module, list[nn.Parameter]], None],
+                **flat_options) -> tuple[list[Unit], list[int]]:
+    """The units `names` (WrapPolicy.select's), then the root, each with its flat shards
+    (flats_by_unit), and the optimizer param group of each shard in that order.
+    `materialize(name, unit module, its parameters)` runs before a unit is flattened (a
+    meta-built model is made unit by unit: stage3.py)."""
+    owners = owners_by_param(module)
+    by_unit = params_by_unit(owners, names)
+    flats = flats_by_unit(by_unit, group_of)
+    units, groups = [], []
+    for name, params in by_unit.items():
+        unit_module = module.get_submodule(name) if name else module
+        materialize(name, unit_module, params)
+        units.append(Unit(name, unit_module, [flatten(members, owners, **flat_options) for members in flats[name]]))
+        groups += [group_of[members[0]] for members in flats[name]]
+    return units, groups
 
 
 def flatten(params: list[nn.Parameter], owners, **flat_options) -> FlatShard:
