@@ -2,6 +2,7 @@
 (Rajbhandari et al. 2020, Figure 1: fp32 Adam, K = 12 bytes of optimizer state per parameter)."""
 
 import gc
+import time
 
 import pytest
 import torch
@@ -34,7 +35,11 @@ def _live_storages() -> dict[int, int]:
     return out
 
 
-def _bytes_after_step(topo, stage, param_dtype=None):
+def _bytes_after_step(topo, stage, param_dtype=None, bound=None):
+    """Bytes of the storages the sharded model holds after a step. A reduction's buffer can stay
+    referenced by gloo's worker thread for a moment after its work completed (seen once in a full
+    suite on a loaded machine: one unit's 16 KiB over at world 4): above `bound`, the count is
+    taken again for up to two seconds, so that only what stays is counted."""
     x = torch.randn(8, WIDTH)
     before = _live_storages()  # the batch, and anything the harness holds
     model = _model()
@@ -43,7 +48,10 @@ def _bytes_after_step(topo, stage, param_dtype=None):
                           wrap_policy=policy, param_dtype=param_dtype)
     F.mse_loss(model(x), x).backward()
     opt.step()  # held now: parameters, gradients and optimizer state (before zero_grad)
-    held = sum(n for ptr, n in _live_storages().items() if ptr not in before)
+    deadline = time.monotonic() + 2.0
+    while (held := sum(n for ptr, n in _live_storages().items() if ptr not in before)) > (bound or held) \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
     peak = model.peak_gathered_bytes if stage == 3 else 0
     unit = max((f.full_bytes for u in model.units for f in u.flats), default=0) if stage == 3 else 0
     return held, peak, unit
@@ -54,7 +62,7 @@ def test_bytes_per_rank_match_the_zero_formulas(world):
     psi = sum(p.numel() for p in _model().parameters())
     formula = {1: 4 * psi + 4 * psi + 8 * psi / world, 2: 4 * psi + 12 * psi / world, 3: 16 * psi / world}
     for stage in (1, 2, 3):
-        for held, peak, unit in run_on_ranks(_bytes_after_step, world, stage):
+        for held, peak, unit in run_on_ranks(_bytes_after_step, world, stage, None, 1.05 * formula[stage]):
             assert formula[stage] <= held <= 1.05 * formula[stage], (stage, held, formula[stage])
             if stage == 3:  # transient: never more than two units gathered at once
                 assert unit > 0 and peak <= 2 * unit, (peak, unit)
@@ -67,7 +75,7 @@ def test_bytes_per_rank_with_bf16_compute_and_fp32_masters(world):
     psi = sum(p.numel() for p in _model().parameters())
     formula = {1: 2 * psi + 2 * psi + 16 * psi / world, 2: 2 * psi + 18 * psi / world, 3: 16 * psi / world}
     for stage in (1, 2, 3):
-        for held, _, _ in run_on_ranks(_bytes_after_step, world, stage, torch.bfloat16):
+        for held, _, _ in run_on_ranks(_bytes_after_step, world, stage, torch.bfloat16, 1.05 * formula[stage]):
             assert formula[stage] <= held <= 1.05 * formula[stage], (stage, held, formula[stage])
 
 
