@@ -139,3 +139,31 @@ def test_progress_counts_epochs_of_the_training_loader_only():
         assert session.epoch == 1 and train.sampler.epoch == 0
     finally:
         session.close()
+
+
+def _outputs_alive_in_backward(topo, strategy):
+    """Whether train_step's model outputs were still alive when backward reached the first layer."""
+    import weakref
+    session = pt.Session(strategy, topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    outputs, alive = {}, []
+    first = next(p for p in session.unwrap(model).parameters())
+    first.register_hook(lambda g: alive.append(outputs["ref"]() is not None))
+
+    def loss_fn(out, y):
+        outputs["ref"] = weakref.ref(out)
+        return F.cross_entropy(out, y)
+
+    xs, ys = make_batches(1, 8)
+    session.train_step((xs[0], ys[0]), loss_fn)
+    return alive
+
+
+@pytest.mark.parametrize("strategy", ["single", "ddp"])
+def test_train_step_lets_the_outputs_go_before_backward(strategy):
+    """A language model's logits are batch × tokens × vocabulary (64 MiB for bench/session.py's
+    GPT; gigabytes at a 50k vocabulary): autograd keeps what backward needs, so train_step drops
+    the outputs once the loss is computed, as a plain loop does. Held through backward they cost
+    that memory and, in bench/session.py, 2-3 % of the GPT's step."""
+    assert run_on_ranks(_outputs_alive_in_backward, 1, strategy) == [[False]]

@@ -128,6 +128,9 @@ class ParallelModule(nn.Module):
     def forward_backward(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
         outputs = self(**inputs) if isinstance(inputs, Mapping) else self(inputs)  # a dict: keyword arguments
         loss = check_loss(loss_fn(outputs, targets))
+        # backward needs only what autograd saved: a language model's logits (batch × tokens ×
+        # vocabulary, 64 MiB for bench/session.py's GPT) go now, as in a plain loop, not after it
+        del outputs
         scaled(loss, scale).backward()
         return loss.detach()
 
