@@ -19,7 +19,9 @@ cost: one read of the gradients this rank holds per optimizer step and, where th
 one all-reduce of a flag). Both sides see the same batches; after `--warmup`
 untimed optimizer steps each (10 × as many for the tiny model), `--rounds` interleaved rounds of
 `--steps` optimizer steps each (`--tiny-steps` for the tiny model, whose step is ~2 ms)
-(bench/common.py `time_interleaved`; a step as long as its slowest rank; a round's time the median of its steps).
+(bench/common.py `time_interleaved`; a step as long as its slowest rank; a round's time the median of its steps),
+half of them in a job that builds the plain loop's model first and half in one that builds the
+session's first (ORDERS).
 
 Reported per case: plain and session ms per optimizer step (medians), the time the session adds
 per optimizer step — the median over rounds of the round's session time minus its plain time
@@ -50,6 +52,10 @@ from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, THREADS, LR, DATA_BATCHES = 2, 1, 1e-3, 4
 CASES = {"ddp": ("ddp", 1), "zero2": ("zero2", 1), "zero3": ("zero3", 1), "ddp-acc4": ("ddp", 4)}
+# Each case runs as two jobs of half the rounds: the plain loop's model built first, then the
+# session's first. Which of two identical models a process builds first moved their ratio by
+# about 1.3 % (GPT ddp-acc4, 3 jobs each way: 1.005-1.023 plain first, 1.025-1.057 session first).
+ORDERS = (False, True)
 TINY_BATCH = 32
 
 
@@ -113,12 +119,17 @@ def _session(topo, model: nn.Module, strategy: str, accumulate: int, nan_check: 
     return step, session
 
 
-def speed(topo, name: str, case: str, batch: int, warmup: int, rounds: int, steps: int, nan_check: bool) -> dict:
-    """Both loops on deep copies of one model, interleaved; the parameters compared after."""
+def speed(topo, name: str, case: str, batch: int, warmup: int, rounds: int, steps: int, nan_check: bool,
+          session_first: bool = False) -> dict:
+    """Both loops on deep copies of one model, interleaved; the parameters compared after.
+    `session_first`: the session's copy is built first (see ORDERS)."""
     strategy, accumulate = CASES[case]
     model = _model(name)
+    if session_first:
+        ours, session = _session(topo, copy.deepcopy(model), strategy, accumulate, nan_check)
     plain, wrapped = _plain(copy.deepcopy(model), strategy, accumulate)
-    ours, session = _session(topo, copy.deepcopy(model), strategy, accumulate, nan_check)
+    if not session_first:
+        ours, session = _session(topo, copy.deepcopy(model), strategy, accumulate, nan_check)
     # one optimizer step takes `accumulate` micro-batches of the per-rank batch
     data = [(torch.cat([x] * accumulate), torch.cat([y] * accumulate))
             for x, y in _batches(name, batch, seed=100 + topo.rank)]
@@ -129,8 +140,13 @@ def speed(topo, name: str, case: str, batch: int, warmup: int, rounds: int, step
 def bench_case(name: str, case: str, args) -> dict:
     # a tiny step is ~2 ms: its rounds take --tiny-steps steps, so each lasts about half a second
     steps, warmup = (args.tiny_steps, 10 * args.warmup) if name == "tiny" else (args.steps, args.warmup)
-    results = run_on_ranks(speed, WORLD, name, case, args.batch, warmup, args.rounds, steps,
-                           not args.no_nan_check, threads=THREADS, timeout=1200, collective_timeout=300)
+    jobs = [run_on_ranks(speed, WORLD, name, case, args.batch, warmup, max(1, args.rounds // len(ORDERS)), steps,
+                         not args.no_nan_check, session_first, threads=THREADS, timeout=1200, collective_timeout=300)
+            for session_first in ORDERS]
+    results = [dict(times={impl: [t for job in ranks for t in job["times"][impl]] for impl in ("plain", "session")},
+                    cpu={impl: [t for job in ranks for t in job["cpu"][impl]] for impl in ("plain", "session")},
+                    diff=max(job["diff"] for job in ranks))
+               for ranks in zip(*jobs)]  # each rank's rounds of both jobs
     times = summarize_times(results, ["plain", "session"], steps)
     accumulate = CASES[case][1]
     added, spread = paired_difference(times["plain_round_ms"], times["session_round_ms"])
