@@ -118,14 +118,14 @@ CASES3 += [("mlp", 2, "adam", 1, True), ("tied", 4, "sgd", 2, True)]  # all-gath
 CASES3 += [("stack", 2, "adam", 1, False)]  # the list's owner is the unit: the list is never called
 
 
-CASES3 += [(name, world, optim, accumulate, "own flats") for name, world, optim, accumulate in
+CASES3 = [case + (False,) for case in CASES3]
+CASES3 += [(name, world, optim, accumulate, False, True) for name, world, optim, accumulate in
            [("tied", 2, "adam", 1), ("tied", 3, "sgd", 1), ("tied", 4, "sgd", 2), ("bn", 2, "adam", 1)]]
 
 
-@pytest.mark.parametrize("name,world,optim,accumulate,forced", CASES3)
-def test_stage3_matches_single_process(name, world, optim, accumulate, forced):
-    own_flats = forced == "own flats"
-    ours = run_on_ranks(_train_stage3, world, name, optim, accumulate, forced and not own_flats, own_flats)
+@pytest.mark.parametrize("name,world,optim,accumulate,forced,own_flats", CASES3)
+def test_stage3_matches_single_process(name, world, optim, accumulate, forced, own_flats):
+    ours = run_on_ranks(_train_stage3, world, name, optim, accumulate, forced, own_flats)
     ref = _reference(name, world, accumulate, optim)
     for state, units in ours:
         assert units > 1

@@ -66,14 +66,14 @@ class StepCount:
     block_output_bytes: dict[str, int] = field(default_factory=dict)  # each block's output: what a
     # pipeline cut after it sends forward (and its gradient back), for the whole batch
     transient_bytes: int = 0  # the most held at once beyond parameters, buffers and their gradients
+    checkpointed: tuple[str, ...] = ()  # the modules whose activations were checkpointed
+    extended: bool = False  # counted from copies of the model cut to 1 and 2 blocks (repeated_blocks.py)
 
     @property
     def activation_peak_bytes(self) -> int:
         """What the step's peak memory holds beyond the model's state (memory.py's activations):
         the transient peak, which includes the saved activations."""
         return max(self.transient_bytes, self.activation_bytes)
-    checkpointed: tuple[str, ...] = ()  # the modules whose activations were checkpointed
-    extended: bool = False  # counted from copies of the model cut to 1 and 2 blocks (repeated_blocks.py)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ exit status 2, as everywhere in the CLI.
       activations                approximate: the step's transient_bytes (at least its
                                  activation_bytes), this rank's share
       workspace                  approximate: the optimizer step's temporaries on the device
-                                 (memory.OptimizerState.workspace; foreach on a cuda cluster)
+                                 (optimizer_state.OptimizerState.workspace; foreach on a cuda cluster)
       host                       of params + grads + optimizer: in CPU memory (offload)
       at_rest, device_peak       params + grads + optimizer; on the device at the peak: at_rest
                                  - host + max(comm_buffers + gathered + activations, workspace)
