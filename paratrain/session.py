@@ -34,13 +34,13 @@ from paratrain.materialize import MetaInit
 from paratrain.errors import ConfigError, UsageError
 from paratrain.autolog import Logging, open_metrics
 from paratrain.optim import Given, describe, retire_replaced
-from paratrain.parallel.base import ParallelModule, Strategy, check_loss, scaled, uncompiled
+from paratrain.parallel.base import ParallelModule, Strategy, backward_no_autocast, check_loss, scaled, uncompiled
 from paratrain.preemption import Preemption, after_optimizer_step
 from paratrain.precision import GradScaler, autocast_dtype, scaler_for
 from paratrain.progress import progress
 from paratrain.resume import SessionCheckpoints, note_micro_step, position
 from paratrain.session_facts import JobFacts
-from paratrain.step import check_finite_loss, optimizer_step
+from paratrain.step import LossLog, optimizer_step
 from paratrain.step_watch import StepWarnings, StepWatch
 from paratrain.strategy import resolve
 from paratrain.topology import Topology, destroy
@@ -62,8 +62,8 @@ class Session(JobFacts, SessionCheckpoints):
         with an inf or nan gradient on any rank is skipped by every rank.
     seed: seeds torch on every rank and the data order of every epoch.
     timeout: seconds any collective may wait before the job fails (default PARATRAIN_TIMEOUT or 600).
-    nan_check: raise when a micro-batch's loss is NaN or infinite, before the optimizer steps (one
-        host-device sync per micro-batch on GPU, as the progress bar's loss display already costs).
+    nan_check: raise when a micro-batch's loss, or a gradient, is NaN or infinite, before the
+        optimizer steps: checked at each optimizer step, one wait for the device (step.py).
     log_dir: where `log()` writes metrics.csv (and TensorBoard events when it is installed).
     logging: what the session logs there by itself, and to which backends (autolog.Logging:
         every 10 optimizer steps loss, lr, grad norm, fp16 scale, samples/tokens per second, MFU).
@@ -99,6 +99,7 @@ class Session(JobFacts, SessionCheckpoints):
         self.topology = (topology or Topology.from_env()).init(timeout, debug_collectives=debug_collectives)
         self.grid = self.strategy.grid(self.topology)  # every process group comes from it (grid.py)
         self.progress_bar, self.nan_check = progress_bar, nan_check
+        self._losses = LossLog(accumulate, self.rank)  # read at the optimizer step (nan_check)
         self.metrics, self.meter = open_metrics(log_dir, logging, self.is_main)
         self.model: ParallelModule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -169,8 +170,8 @@ class Session(JobFacts, SessionCheckpoints):
         if self.meter is not None:
             self.meter.count(inputs)
         fn = loss_fn or model.default_loss
-        def checked(outputs: Any, targets: Any) -> torch.Tensor:  # before backward: a NaN loss stops
-            return self._check_finite(check_loss(fn(outputs, targets)))  # its own rank, not a peer
+        def checked(outputs: Any, targets: Any) -> torch.Tensor:  # a NaN loss is named at the step
+            return self._check_finite(check_loss(fn(outputs, targets)))
 
         with self.accumulation():
             loss = model.forward_backward(inputs, targets, checked, self._loss_factor(weight))
@@ -198,8 +199,8 @@ class Session(JobFacts, SessionCheckpoints):
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """`torch.autocast` in the session's precision on its device (nothing for "32").
-        Strategies run backward inside `forward_backward` (a pipeline interleaves the two), so it
-        covers backward too: backward ops keep the dtypes their forward chose, autocast or not."""
+        Strategies run backward inside `forward_backward` (a pipeline interleaves the two), each
+        backward with autocast turned off (parallel/base.py, backward_no_autocast), as torch's recipe has it."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
@@ -219,7 +220,7 @@ class Session(JobFacts, SessionCheckpoints):
         self._check_finite(check_loss(loss))
         if self._verify is not None:
             self._verify.loss(loss.detach())
-        scaled(loss, self._loss_factor(weight)).backward()
+        backward_no_autocast(scaled(loss, self._loss_factor(weight)))
 
     def _loss_factor(self, weight: float | torch.Tensor | None) -> float:
         """What backward multiplies this micro-batch's loss by: 1/accumulate, or its weight
@@ -243,7 +244,7 @@ class Session(JobFacts, SessionCheckpoints):
             raise UsageError("step() needs an optimizer: pass it to session.setup(model, optimizer)")
         model = self._require_model()
         result = optimizer_step(model, self.optimizer, weights=self._weights, scaler=self.scaler,
-                                max_grad_norm=self.max_grad_norm, check_finite=self.nan_check,
+                                max_grad_norm=self.max_grad_norm, check_finite=self.nan_check, losses=self._losses,
                                 before_step=self._verify and functools.partial(self._verify.before_step, model))
         if self._verify is not None and self._verify.after_step(model, self.precision):
             self.close()  # the steps `paratrain verify` asked for are recorded: the run ends here
@@ -257,9 +258,8 @@ class Session(JobFacts, SessionCheckpoints):
         return result.stepped
 
     def _check_finite(self, loss: torch.Tensor) -> torch.Tensor:
-        if self.nan_check:  # only the rank that sees it raises; the launcher stops the others
-            check_finite_loss(loss, lambda: f"optimizer step {self.micro_step // self.accumulate} (micro-batch "
-                                            f"{self.micro_step}, epoch {self.epoch}) on rank {self.rank}")
+        if self.nan_check:  # read at the optimizer step, with the gradients: no wait per micro-batch
+            self._losses.add(loss, self.micro_step, self.epoch)
         return loss
 
     def to_device(self, batch: Any) -> Any:

@@ -1,17 +1,20 @@
 """One optimizer step over whatever part of the gradients each rank holds, and the checks that
 keep a bad number from reaching the parameters (Session.step and Session.backward call these).
 
-Per optimizer step, on the gradients `local_grads()` returns (parallel/base.py):
+Per optimizer step, on the gradients `local_grads()` returns (parallel/base.py), and on the
+losses of its micro-batches (LossLog: recorded as they come, read here in the same wait for the
+device as the gradients, so a micro-batch costs none):
 
     normalise   token-weighted losses: × replicas / Σ weight (accumulation.py)
     unscale     fp16: ÷ the loss scale; an inf or nan on any holder skips the step (precision.py)
-    check       otherwise a non-finite gradient anywhere stops the run on every rank, naming it,
-                before the optimizer steps: replicated strategies hold the same averaged
+    check       otherwise a non-finite loss, or gradient anywhere, stops the run, naming the
+                micro-batch or the parameters, before the optimizer steps: replicated strategies hold the same averaged
                 gradients everywhere, so each rank checks its own; sharded ones reduce one flag
                 over the holders, or, when every rank saw each reduction whole and the model is
                 small, each sums those (ParallelModule.reduced_finite); DDP sums each bucket as
                 its all-reduce completes (buckets.AllReduce). With clipping the global
-                norm is that check.
+                norm is that check. Under fp16 a non-finite gradient is an overflow (skip),
+                a non-finite loss still stops the run.
     clip        by the global norm (clip_grad_norm_)
     step        and zero the gradients
 """
@@ -36,26 +39,64 @@ class StepResult(NamedTuple):
     grad_norm: torch.Tensor | None  # the global norm before clipping, when clipping computed it
 
 
+class LossLog:
+    """The losses of the micro-batches since the last optimizer step, kept on the device until
+    the step reads them with its gradients (Session(nan_check=True))."""
+
+    def __init__(self, accumulate: int, rank: int):
+        self.accumulate, self.rank = accumulate, rank
+        self.items: list[tuple[torch.Tensor, int, int]] = []  # (loss, micro-batch, epoch)
+
+    def add(self, loss: torch.Tensor, micro_step: int, epoch: int) -> None:
+        self.items.append((loss.detach(), micro_step, epoch))
+
+    def total(self) -> torch.Tensor | None:
+        """Their sum in fp32: finite exactly when each is (short of 1e38)."""
+        losses = [loss.float().reshape(()) for loss, _, _ in self.items]
+        return (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) if losses else None
+
+    def error(self) -> UsageError | None:
+        """The first non-finite loss, as the error to raise (reads each: the failing path only)."""
+        for loss, micro_step, epoch in self.items:
+            value = loss.float().mean().item()
+            if not math.isfinite(value):
+                return UsageError(
+                    f"the loss is {value} at optimizer step {micro_step // self.accumulate} (micro-batch "
+                    f"{micro_step}, epoch {epoch}) on rank {self.rank}; the optimizer did not step. Lower the "
+                    "learning rate, clip gradients (Session(max_grad_norm=...)), check this batch's inputs "
+                    "and targets, or pass Session(nan_check=False) to go on regardless")
+        return None
+
+
 def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, weights: TokenWeights,
                    scaler: GradScaler | None, max_grad_norm: float | None, check_finite: bool,
-                   before_step: Callable[[], None] | None = None) -> StepResult:
+                   before_step: Callable[[], None] | None = None, losses: LossLog | None = None) -> StepResult:
     """Normalise, unscale, check, clip, step and zero the gradients; `before_step()` sees the
-    gradients as the optimizer is about to read them (`paratrain verify` records them there)."""
+    gradients as the optimizer is about to read them (`paratrain verify` records them there).
+    `losses`: the micro-batches' losses, checked with the gradients when check_finite."""
     factor = weights.normaliser(model.replicas)
     skip, norm = False, None
     reduced_finite = model.reduced_finite()  # every step: it starts the next step's count too
-    if scaler is not None or factor != 1.0 or (check_finite and max_grad_norm is None):
-        grads, group = model.local_grads()
-        if scaler is not None:  # unscale before clipping: max_grad_norm is in true units
-            skip = scaler.unscale_(grads, group, factor=factor)
-        else:
-            _scale(grads, factor)
-            if check_finite and max_grad_norm is None and not _all_finite(grads, group, reduced_finite):
-                raise _non_finite(model, "gradient")
-    if max_grad_norm is not None and not skip:
-        norm = model.clip_grad_norm_(max_grad_norm)
-        if check_finite and not torch.isfinite(norm):  # the norm is global: every rank agrees
-            raise _non_finite(model, "gradient norm")
+    loss = losses.total() if check_finite and losses is not None else None
+    try:
+        if scaler is not None or factor != 1.0 or (check_finite and max_grad_norm is None):
+            grads, group = model.local_grads()
+            if scaler is not None:  # unscale before clipping: max_grad_norm is in true units
+                if loss is not None and not torch.isfinite(loss):  # overflow skips; a NaN loss stops
+                    raise _non_finite(model, "loss", losses)
+                skip = scaler.unscale_(grads, group, factor=factor)
+            else:
+                _scale(grads, factor)
+                if check_finite and max_grad_norm is None and not _all_finite(grads, group, reduced_finite, loss):
+                    raise _non_finite(model, "gradient", losses)
+        if max_grad_norm is not None and not skip:
+            norm = model.clip_grad_norm_(max_grad_norm)
+            # the norm is global: every rank agrees on it
+            if check_finite and not torch.isfinite(norm if loss is None else norm + loss.to(norm.device)):
+                raise _non_finite(model, "gradient norm", losses)
+    finally:
+        if losses is not None:
+            losses.items.clear()
     if before_step is not None:
         before_step()
     if not skip:  # every rank agrees: the flags were reduced over the gradients' holders
@@ -71,38 +112,39 @@ def _scale(grads: list[torch.Tensor], factor: float) -> None:
         torch._foreach_mul_(grads, factor)
 
 
-def _all_finite(grads: list[torch.Tensor], group: Any, reduced_finite: torch.Tensor | None = None) -> bool:
-    """Whether every gradient on every holder is finite: one fused norm, and one small
-    all-reduce when the gradients are split between ranks (group is not None), unless every
-    rank saw every reduction whole and summed it (`reduced_finite`, ParallelModule.reduced_finite)."""
+def _all_finite(grads: list[torch.Tensor], group: Any, reduced_finite: torch.Tensor | None = None,
+                loss: torch.Tensor | None = None) -> bool:
+    """Whether every gradient on every holder, and `loss` (this rank's, LossLog.total), is
+    finite: one fused norm, and one small all-reduce when the gradients are split between ranks
+    (group is not None), unless every rank saw every reduction whole and summed it
+    (`reduced_finite`, ParallelModule.reduced_finite). One wait for the device in all."""
     if reduced_finite is not None:
-        return bool(reduced_finite.item())
+        return bool((reduced_finite if loss is None else reduced_finite & torch.isfinite(loss)).item())
     # a sum is the cheapest full read, and NaN and inf survive it (finite values summing past the
     # float range would be a false alarm, at gradients of 1e38)
     sums = [g.sum() for g in grads] if len(grads) < 8 else torch._foreach_norm(grads)
     if len({(n.dtype, n.device) for n in sums}) > 1:  # offloaded or mixed-dtype holders
         sums = [n.float().cpu() for n in sums]
-    bad = (~torch.isfinite(torch.stack(sums).sum() if sums else torch.zeros(()))).float()
+    total = torch.stack(sums).sum() if sums else torch.zeros(())
+    if loss is not None:
+        total = total.float() + loss.to(total.device)
+    bad = (~torch.isfinite(total)).float()
     if group is not None:
         bad = bad.to(group_device(group))
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     return not bool(bad.item())
 
 
-def _non_finite(model: ParallelModule, what: str) -> UsageError:
+def _non_finite(model: ParallelModule, what: str, losses: LossLog | None) -> UsageError:
+    """A non-finite loss of this rank's, named by its micro-batch, else the gradients."""
+    loss_error = losses.error() if losses is not None else None
+    if loss_error is not None:
+        return loss_error
     names = [n for n, p in model.module.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
     where = f": {', '.join(names[:5])} on this rank" if names else " (on another rank's share)"
+    peers = (" Gradients are averaged over ranks: another rank's error may name a non-finite loss as the "
+             "cause.") if model.replicas > 1 else ""
     return UsageError(f"a {what} is NaN or infinite although the loss was finite{where}; the optimizer "
                       "did not step and no checkpoint will hold it. Lower the learning rate, clip "
                       "gradients (Session(max_grad_norm=...)), look for a division by zero or a log of 0 "
-                      "in the model, or pass Session(nan_check=False) to go on regardless")
-
-
-def check_finite_loss(loss: torch.Tensor, where: Callable[[], str]) -> None:
-    """Stop before a NaN or infinite loss reaches the parameters (`where()`: the step and rank).
-    The loss is one number (check_loss): reading it is one host sync, as the progress bar's is."""
-    if not math.isfinite(loss.item()):
-        raise UsageError(f"the loss is {loss.detach().float().mean().item()} at {where()}; the optimizer "
-                         "did not step. Lower the learning rate, clip gradients (Session(max_grad_norm=...)), "
-                         "check this batch's inputs and targets, or pass Session(nan_check=False) to go on "
-                         "regardless")
+                      f"in the model, or pass Session(nan_check=False) to go on regardless.{peers}")

@@ -165,25 +165,41 @@ def test_a_scheduler_on_an_optimizer_setup_keeps_is_fine():
         assert same is optimizer and same.param_groups[0]["lr"] == 0.05
 
 
+@pytest.mark.parametrize("settings", [{}, {"max_grad_norm": 1.0}, {"precision": "fp16"}], ids=["plain", "clip", "fp16"])
+@pytest.mark.parametrize("graph", [True, False], ids=["through-gradients", "detached"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_non_finite_loss_stops_before_the_optimizer_steps(bad):
-    with _session() as session:
+def test_a_non_finite_loss_stops_before_the_optimizer_steps(bad, graph, settings):
+    # detached: a non-finite term with no path to the parameters leaves every gradient finite,
+    # so only the loss itself tells (under fp16 a non-finite gradient is an overflow, skipped)
+    with _session(**settings) as session:
         model, _ = _setup(session)
         session.train_step(BATCH, F.cross_entropy)
         before = {k: v.clone() for k, v in model.state_dict().items()}
+        term = (lambda loss: loss * bad) if graph else (lambda loss: loss + torch.tensor(bad))
         with pytest.raises(pt.UsageError, match=f"the loss is {bad} at optimizer step 1 \\(micro-batch 1, "
                                                 "epoch 0\\) on rank 0; the optimizer did not step"):
-            session.train_step(BATCH, lambda out, y: F.cross_entropy(out, y) * bad)
+            session.train_step(BATCH, lambda out, y: term(F.cross_entropy(out, y)))
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_a_non_finite_loss_in_a_custom_step_stops_before_backward():
-    with _session() as session:
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_a_non_finite_loss_in_a_custom_step_stops_at_the_step_naming_its_micro_batch(accumulate):
+    # the losses are read at the optimizer step, with the gradients (one wait for the device),
+    # not after each forward: the micro-batch is named there, before the optimizer steps
+    with _session(accumulate=accumulate) as session:
         model, _ = _setup(session)
-        with pytest.raises(pt.UsageError, match="the loss is nan at optimizer step 0"):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        for i in range(accumulate):
             with session.accumulation():
-                session.backward(F.cross_entropy(model(XS[0]), YS[0]) * float("nan"))
-        assert all(p.grad is None for p in model.parameters())  # backward never ran
+                bad = float("nan") if i == accumulate - 2 or accumulate == 1 else 1.0
+                session.backward(F.cross_entropy(model(XS[i % 2]), YS[i % 2]) * bad)
+            if i < accumulate - 1:
+                assert not session.step()
+        micro = max(accumulate - 2, 0)
+        with pytest.raises(pt.UsageError, match=f"the loss is nan at optimizer step 0 \\(micro-batch {micro}, "):
+            session.step()
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert session._losses.items == []  # read once: a later step does not report it again
 
 
 def test_nan_check_off_lets_the_loss_through():
@@ -201,19 +217,39 @@ def _on_ranks(topo, case, path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if case == "batch smaller than the world":
         session.setup(model, optimizer, DataLoader(_dataset(), batch_size=1))
-    elif case == "nan on one rank":
-        session.setup(model, optimizer)
-        scale = float("nan") if topo.rank == 1 else 1.0
-        for x, y in zip(XS, YS):  # rank 0 goes on to the next step's all-reduce and is stopped
-            session.train_step((x[:2], y[:2]), lambda out, t: F.cross_entropy(out, t) * scale)
 
 
 @pytest.mark.parametrize("case,message", [
     ("batch smaller than the world", "ConfigError: the global batch size 1 must be a multiple of the 2 "
                                      "data-parallel replicas; use a batch size of 2"),
-    ("nan on one rank", "rank 1 raised:(.|\\n)*UsageError: the loss is nan at optimizer step 0 "
-                        "\\(micro-batch 0, epoch 0\\) on rank 1"),
 ])
 def test_misuse_on_ranks(case, message, tmp_path):
     with pytest.raises(RankFailure, match=message):
         run_on_ranks(_on_ranks, 2, case, str(tmp_path / "c"), timeout=60)
+
+
+def _nan_loss_on_one_rank(topo, strategy):
+    session = pt.Session(strategy, topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = {k: v.clone() for k, v in session.full_state_dict().items()}
+    scale = float("nan") if topo.rank == 1 else 1.0
+    try:
+        for x, y in zip(XS, YS):
+            session.train_step((x[:2], y[:2]), lambda out, t: F.cross_entropy(out, t) * scale)
+    except pt.UsageError as e:
+        unchanged = all(torch.equal(before[k], v) for k, v in session.full_state_dict().items())
+        return str(e), session.micro_step, unchanged
+    return None, session.micro_step, False
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_a_nan_loss_on_one_rank_stops_both_at_the_first_step_and_that_rank_names_it(strategy):
+    # the averaged (or reduced) gradients are NaN on both ranks: both stop before the optimizer
+    # steps; the rank whose loss it was names the micro-batch, the other points at its peers
+    (msg0, steps0, same0), (msg1, steps1, same1) = run_on_ranks(_nan_loss_on_one_rank, 2, strategy, timeout=60)
+    assert steps0 == steps1 == 1 and same0 and same1
+    assert msg1.startswith("the loss is nan at optimizer step 0 (micro-batch 0, epoch 0) on rank 1; the optimizer "
+                           "did not step"), msg1
+    assert msg0.startswith("a gradient is NaN or infinite although the loss was finite"), msg0
+    assert "another rank's error may name a non-finite loss" in msg0

@@ -160,6 +160,38 @@ def _outputs_alive_in_backward(topo, strategy):
     return alive
 
 
+def _autocast_in_backward(topo, strategy, manual):
+    """Whether autocast was on when backward reached each parameter, under precision="bf16"."""
+    pipeline = strategy == "pipeline"
+    session = pt.Session(pt.Pipeline(stages=2, microbatches=2) if pipeline else strategy, precision="bf16",
+                         topology=topo, progress_bar=False)
+    model = make_model("mlp").net if pipeline else make_model("mlp")
+    model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = []
+    for p in session.unwrap(model).parameters():
+        p.register_hook(lambda g: seen.append(torch.is_autocast_enabled("cpu")))
+    xs, ys = make_batches(1, 8)
+    if manual:
+        with session.accumulation():
+            assert torch.is_autocast_enabled("cpu")  # forward and the loss run under it
+            session.backward(F.cross_entropy(model(xs[0]), ys[0]))
+        session.step()
+    else:
+        session.train_step((xs[0], ys[0]), F.cross_entropy)
+    return seen
+
+
+@pytest.mark.parametrize("strategy,world,manual", [("single", 1, False), ("single", 1, True), ("ddp", 1, False),
+                                                   ("pipeline", 2, False)])
+def test_backward_runs_with_autocast_off(strategy, world, manual):
+    """torch's AMP recipe runs backward outside autocast. On CUDA the autograd engine hands the
+    caller's autocast on to its device threads, and a bf16 GPT step under it ran 4 more kernels
+    per block on an H200 (torch.profiler); here backward runs on the calling thread, where a
+    gradient hook sees the same state."""
+    for seen in run_on_ranks(_autocast_in_backward, world, strategy, manual):
+        assert seen and not any(seen), seen
+
+
 @pytest.mark.parametrize("strategy", ["single", "ddp"])
 def test_train_step_lets_the_outputs_go_before_backward(strategy):
     """A language model's logits are batch × tokens × vocabulary (64 MiB for bench/session.py's

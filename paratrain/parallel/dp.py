@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from paratrain.errors import ConfigError
 from paratrain.grid import ProcessGrid
 from paratrain.materialize import MetaInit, whole
-from paratrain.parallel.base import LossFn, ParallelModule, Strategy, owned, scaled
+from paratrain.parallel.base import LossFn, ParallelModule, Strategy, backward_no_autocast, owned, scaled
 
 Device = torch.device | str | int
 
@@ -79,7 +79,7 @@ class DataParallel(ParallelModule):
         if not self.balanced:
             return super().forward_backward(inputs, targets, loss_fn, scale)
         loss = self.loss(inputs, targets, loss_fn)
-        scaled(loss, scale).backward()
+        backward_no_autocast(scaled(loss, scale))
         return loss.detach()
 
     def loss(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 from paratrain import comm
 from paratrain.errors import ConfigError, UsageError
 from paratrain.optim import clip_grad_norm_over
-from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule, check_loss, user_key
+from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule, backward_no_autocast, check_loss, user_key
 from paratrain.parallel.buckets import AllReduce, default_caps
 from paratrain.parallel.grad_sync import GradSync
 from paratrain.parallel.pipeline.microbatches import chunks, shape_key
@@ -177,11 +177,11 @@ class PipelineStage(ParallelModule):
             last = i == self.microbatches - 1
             self._grad_sync.prepare(self.require_backward_grad_sync and last, unused=None)
         if g is None:
-            (y * self._scale).backward()
+            backward_no_autocast(y * self._scale)
         else:
             outputs = floating(tree_flatten(y)[0])
-            torch.autograd.backward([o for o, _ in zip(outputs, g) if o.requires_grad],
-                                    [d for o, d in zip(outputs, g) if o.requires_grad])
+            backward_no_autocast([o for o, _ in zip(outputs, g) if o.requires_grad],
+                                 [d for o, d in zip(outputs, g) if o.requires_grad])
         dx = None if self.links.is_first else [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                                                 for leaf in floating(tree_flatten(x)[0])]
         self._record(Kind.BACKWARD, i, start)
