@@ -155,3 +155,22 @@ def test_readme_flight_recorder_cost_is_consistent_with_bench_json():
         m = bench["models"][name]
         assert m["step_ms"] == ddp[name]["ours_ms"]  # the step bench/ddp.py measured, recorder on
         assert f"{m['share_of_step']:.2%}" in readme and m["share_of_step"] <= 0.01  # issue 13's target
+
+
+def test_readme_gpu_table_is_consistent_with_gpu_check_json():
+    import json
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    gpu = json.load(open(os.path.join(ROOT, "bench", "results", "gpu.json")))
+    assert not gpu["dry_run"] and "H200" in gpu["device"] and "H200" in readme
+    labels = {"gpt-11m": "GPT 10.8 M", "gpt-85m": "GPT 85 M"}
+    for r in gpu["session"]["rows"]:
+        assert (f"| {labels[r['model']]} | {r['case']} | {r['plain_ms']:.2f} | {r['session_ms']:.2f} | "
+                f"{r['ratio']:.3f} | {r['session_unchecked_ms'] / r['plain_ms']:.3f} | "
+                f"{r['plain_again_ms'] / r['plain_ms']:.3f} |") in readme
+    met = sum(r["target_met"] for r in gpu["session"]["rows"])
+    assert f"only {met} of {len(gpu['session']['rows'])} rows meet the 2 % target" in readme
+    mfu = gpu["mfu"]["mfu_single"]
+    assert f"{100 * mfu['gpt-11m']:.1f} % for the small model" in readme and f"{100 * mfu['gpt-85m']:.0f} % for" in readme
+    assert all(gpu[part]["ok"] for part in ("tests", "session", "mfu", "parity", "nccl"))
+    assert max(gpu["parity"]["max_param_diff"].values()) < 3e-8 * 1.01  # "within 3e-8"

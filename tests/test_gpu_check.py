@@ -19,7 +19,14 @@ def test_gpu_check_dry_run_runs_every_part(tmp_path):
     for part in ("tests", "session", "mfu", "parity", "nccl"):
         assert results[part]["ok"], (part, results[part])
     assert "collected" in results["tests"]["summary"][0]  # the CUDA-marked tests exist
-    assert results["session"]["flops_per_step"] > 0 and 0 < results["mfu"]["mfu"]
+    rows = results["session"]["rows"]
+    assert [r["case"] for r in rows] == ["single", "ddp", "ddp-acc4", "zero2", "zero3"]
+    assert all(r["flops_per_step"] > 0 and r["plain_ms"] > 0 and r["session_ms"] > 0 for r in rows)
+    acc = {r["case"]: r["flops_per_step"] for r in rows}
+    assert acc["ddp-acc4"] == 4 * acc["ddp"]  # 4 micro-batches of the same batch per optimizer step
+    assert 0 < results["mfu"]["mfu_single"]["dry"] < 1
+    assert set(results["parity"]["max_param_diff"]) == {"ddp", "zero1", "zero2", "zero3", "zero2-offload",
+                                                        "zero3-offload"}
     # CPU ranks against the CPU reference: the parity tests' 1e-6 (a GPU run allows 1e-5, see parity())
     assert results["parity"]["tolerance"] == 1e-6
     assert max(results["parity"]["max_param_diff"].values()) < 1e-6
