@@ -8,13 +8,14 @@ device as the gradients, so a micro-batch costs none):
     normalise   token-weighted losses: × replicas / Σ weight (accumulation.py)
     unscale     fp16: ÷ the loss scale; an inf or nan on any holder skips the step (precision.py)
     check       otherwise a non-finite loss, or gradient anywhere, stops the run, naming the
-                micro-batch or the parameters, before the optimizer steps: replicated strategies hold the same averaged
-                gradients everywhere, so each rank checks its own; sharded ones reduce one flag
-                over the holders, or, when every rank saw each reduction whole and the model is
-                small, each sums those (ParallelModule.reduced_finite); DDP sums each bucket as
-                its all-reduce completes (buckets.AllReduce). With clipping the global
-                norm is that check. Under fp16 a non-finite gradient is an overflow (skip),
-                a non-finite loss still stops the run.
+                micro-batch or the parameters, before the optimizer steps: replicated strategies
+                hold the same averaged gradients everywhere, so each rank checks its own (and its
+                losses); sharded ones reduce one flag over the holders, or, when every rank saw
+                each reduction whole and the model is small, each sums those
+                (ParallelModule.reduced_finite); DDP sums each bucket as its all-reduce
+                completes (buckets.AllReduce). With clipping the global norm is that check.
+                Under fp16 a non-finite gradient is an overflow (skip); a non-finite loss still
+                stops the run.
     clip        by the global norm (clip_grad_norm_)
     step        and zero the gradients
 """
@@ -51,7 +52,10 @@ class LossLog:
         self.items.append((loss.detach(), micro_step, epoch))
 
     def total(self) -> torch.Tensor | None:
-        """Their sum in fp32: finite exactly when each is (short of 1e38)."""
+        """Their sum in fp32: finite exactly when each is (short of 1e38). One fp32 scalar, the
+        common case, is itself: each op here costs microseconds on the host, per step."""
+        if len(self.items) == 1 and self.items[0][0].dtype == torch.float32 and self.items[0][0].dim() == 0:
+            return self.items[0][0]
         losses = [loss.float().reshape(()) for loss, _, _ in self.items]
         return (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) if losses else None
 
@@ -122,7 +126,10 @@ def _all_finite(grads: list[torch.Tensor], group: Any, reduced_finite: torch.Ten
         return bool((reduced_finite if loss is None else reduced_finite & torch.isfinite(loss)).item())
     # a sum is the cheapest full read, and NaN and inf survive it (finite values summing past the
     # float range would be a false alarm, at gradients of 1e38)
-    sums = [g.sum() for g in grads] if len(grads) < 8 else torch._foreach_norm(grads)
+    sums = [g.sum() for g in grads] if len(grads) < 8 else list(torch._foreach_norm(grads))
+    if loss is not None and sums and (loss.dtype, loss.device) == (sums[0].dtype, sums[0].device):
+        sums.append(loss)  # in the same sum: no op of its own
+        loss = None
     if len({(n.dtype, n.device) for n in sums}) > 1:  # offloaded or mixed-dtype holders
         sums = [n.float().cpu() for n in sums]
     total = torch.stack(sums).sum() if sums else torch.zeros(())
