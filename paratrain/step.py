@@ -52,11 +52,10 @@ class LossLog:
         self.items.append((loss.detach(), micro_step, epoch))
 
     def total(self) -> torch.Tensor | None:
-        """Their sum in fp32: finite exactly when each is (short of 1e38). One fp32 scalar, the
-        common case, is itself: each op here costs microseconds on the host, per step."""
-        if len(self.items) == 1 and self.items[0][0].dtype == torch.float32 and self.items[0][0].dim() == 0:
-            return self.items[0][0]
-        losses = [loss.float().reshape(()) for loss, _, _ in self.items]
+        """Their sum in fp32: finite exactly when each is (short of 1e38). An fp32 scalar, the
+        common case, goes in as it is: each op here costs microseconds on the host, per step."""
+        losses = [loss if loss.dtype == torch.float32 and loss.dim() == 0 else loss.float().reshape(())
+                  for loss, _, _ in self.items]
         return (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) if losses else None
 
     def error(self) -> UsageError | None:
