@@ -121,8 +121,8 @@ def _all_finite(grads: list[torch.Tensor], group: Any, reduced_finite: torch.Ten
     finite: one fused norm, and one small all-reduce when the gradients are split between ranks
     (group is not None), unless every rank saw every reduction whole and summed it
     (`reduced_finite`, ParallelModule.reduced_finite). One wait for the device in all."""
-    if reduced_finite is not None:
-        return bool((reduced_finite if loss is None else reduced_finite & torch.isfinite(loss)).item())
+    if reduced_finite is not None:  # the loss read after the flag: by then it waits for nothing
+        return bool(reduced_finite.item()) and (loss is None or math.isfinite(loss.item()))
     # a sum is the cheapest full read, and NaN and inf survive it (finite values summing past the
     # float range would be a false alarm, at gradients of 1e38)
     sums = [g.sum() for g in grads] if len(grads) < 8 else list(torch._foreach_norm(grads))
