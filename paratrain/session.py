@@ -141,8 +141,8 @@ class Session(JobFacts, SessionCheckpoints):
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid,
                                                          init=MetaInit(self.seed, init_fn))
         retire_replaced(optimizer, self.optimizer, self.strategy.name)
-        if self.nan_check:
-            self.model.watch_reductions()
+        if self.nan_check and self.scaler is None and self.max_grad_norm is None:  # else the
+            self.model.watch_reductions()  # unscale or the norm is the check (step.py)
         self.loader = self.shard_loader(loader) if loader is not None else None
         self.step_boundary = position(self) if self.accumulate > 1 else None
         out = [self.model] + [x for x in (self.optimizer, self.loader) if x is not None]

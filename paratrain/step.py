@@ -13,7 +13,8 @@ device as the gradients, so a micro-batch costs none):
                 losses); sharded ones reduce one flag over the holders, or, when every rank saw
                 each reduction whole and the model is small, each sums those
                 (ParallelModule.reduced_finite); DDP sums each bucket as its all-reduce
-                completes (buckets.AllReduce). With clipping the global norm is that check.
+                completes (buckets.AllReduce; a large model, its 1/N of each, and reduces one
+                flag). With clipping the global norm is that check.
                 Under fp16 a non-finite gradient is an overflow (skip); a non-finite loss still
                 stops the run.
     clip        by the global norm (clip_grad_norm_)

@@ -72,6 +72,47 @@ def test_a_nan_gradient_stops_every_rank_before_the_step(strategy, limit, tmp_pa
     assert all(torch.isfinite(v).all() for v in restored.values())
 
 
+def _one_nan_element(topo, param, index, limit):
+    """Rank 1's gradient of one element (parameter `param`, flat `index`) turns NaN in the
+    second step. After DDP's all-reduce the NaN sits at that element on every rank; with a
+    model above `limit` (ReducedSums.LIMIT) elements each rank sums only its share of each
+    bucket, so exactly one rank sees it, and the others learn it from the flag."""
+    ReducedSums.LIMIT = limit
+    session = pt.Session("ddp", topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    model, opt = session.setup(model, _sgd(model))
+    poison = {"on": False}
+    if topo.rank == 1:
+        def poisoned(g):
+            if not poison["on"]:
+                return g
+            g = g.clone()
+            g.view(-1)[index] = float("nan")
+            return g
+        dict(session.unwrap(model).named_parameters())[param].register_hook(poisoned)
+    x, y = XS[0].chunk(topo.world_size)[topo.rank], YS[0].chunk(topo.world_size)[topo.rank]
+    session.train_step((x, y), F.cross_entropy)
+    before = {k: v.clone() for k, v in session.full_state_dict().items()}
+    poison["on"] = True
+    try:
+        session.train_step((x, y), F.cross_entropy)
+        error = None
+    except pt.UsageError as e:
+        error = str(e)
+    return error, max_param_diff(before, session.full_state_dict())
+
+
+@pytest.mark.parametrize("world, param, index", [(2, "net.0.weight", 0), (2, "net.4.bias", -1),
+                                                 (3, "net.0.weight", 0), (3, "net.2.weight", 500),
+                                                 (3, "net.4.bias", -1)])
+def test_ddp_sharing_its_check_stops_every_rank_for_a_nan_in_any_ranks_share(world, param, index):
+    """Limit 0: each rank sums 1/N of every bucket and one flag is all-reduced: whichever rank's
+    share holds the NaN, every rank stops and no parameter moves."""
+    for error, moved in run_on_ranks(_one_nan_element, world, param, index, 0, timeout=120):
+        assert error is not None and "gradient is NaN or infinite although the loss was finite" in error
+        assert moved == 0
+
+
 def _flag_all_reduces(topo, strategy, limit):
     """All-reduces of one element (the finite check's flag) in one train_step."""
     ReducedSums.LIMIT = limit
@@ -102,11 +143,32 @@ def test_a_small_zero_model_checks_its_gradients_without_a_collective(strategy):
     assert run_on_ranks(_flag_all_reduces, 2, strategy, 0) == [1, 1]
 
 
-def _ddp_check_answer(topo, nan_check, hook):
+def test_shared_sums_read_only_this_ranks_share_of_each_buffer():
+    """tensor_split's slices of 10 over 3 ranks: [0, 4), [4, 7), [7, 10)."""
+    flat = torch.zeros(10)
+    flat[4] = float("inf")
+    for rank, finite in [(0, True), (1, False), (2, True)]:
+        sums = ReducedSums(share=(rank, 3, None))
+        sums.add(flat)
+        sums.add(torch.ones(3))  # a second bucket adds its own share
+        assert bool(torch.isfinite(sums.total)) is finite
+        assert sums.total.item() == (1.0 if finite else float("inf"))
+        sums.reset()
+        assert sums.total is None
+
+
+def test_ddp_checks_a_large_model_by_shares_and_one_flag():
+    """DDP under ReducedSums.LIMIT elements sums every bucket whole, with no collective; above it,
+    each rank sums its share and all-reduces one flag per step."""
+    assert run_on_ranks(_flag_all_reduces, 2, "ddp", ReducedSums.LIMIT) == [0, 0]
+    assert run_on_ranks(_flag_all_reduces, 2, "ddp", 0) == [1, 1]
+
+
+def _ddp_check_answer(topo, nan_check, hook, clip=None):
     """What DDP's reduced_finite() says after one synchronised backward (None: the step's check
     would read the buckets again); `hook`: fp16 compression registered after setup."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-    session = pt.Session("ddp", topology=topo, progress_bar=False, nan_check=nan_check)
+    session = pt.Session("ddp", topology=topo, progress_bar=False, nan_check=nan_check, max_grad_norm=clip)
     model = make_model("mlp")
     model, _ = session.setup(model, _sgd(model))
     if hook:
@@ -121,10 +183,11 @@ def test_ddp_sums_its_buckets_for_the_check_only_when_the_session_checks():
     """Session(nan_check=True) has DDP sum each bucket as its all-reduce completes, so the step's
     check reads no gradient again; a plain session (or a plain pt.DDP) pays for no sum, and a
     communication hook reduces its own way (the step's check then reads the buckets: the NaN test
-    above covers both paths)."""
+    above covers both paths); with clipping the global norm is the check, so nothing is summed."""
     assert run_on_ranks(_ddp_check_answer, 2, True, False) == [True, True]
     assert run_on_ranks(_ddp_check_answer, 2, False, False) == [None, None]
     assert run_on_ranks(_ddp_check_answer, 2, True, True) == [None, None]
+    assert run_on_ranks(_ddp_check_answer, 2, True, False, 1.0) == [None, None]  # the norm checks
 
 
 def _load_newest(topo, tmp):

@@ -188,8 +188,7 @@ MUTANTS = [
            ("tests/test_zero.py",)),
     Mutant("reduced-sums-always-finite", "the sums of whole reductions call every gradient finite",
            "paratrain/parallel/buckets.py",
-           (("        return torch.isfinite(total) if total is not None else None",
-             "        return torch.tensor(True) if total is not None else None"),),
+           (("            return torch.isfinite(total)\n", "            return torch.tensor(True)\n"),),
            ("tests/test_silent_failures.py",)),
     # issue 13: verify
     Mutant("verify-rank-0-only", "paratrain verify checks a replicated parameter on the lowest rank only",
@@ -251,6 +250,14 @@ MUTANTS = [
     Mutant("ddp-sums-nothing", "DDP's all-reduce never sums its buckets for the finite check",
            "paratrain/parallel/buckets.py",
            (("                self.sums.add(buffer)", "                pass"),),
+           ("tests/test_silent_failures.py",)),
+    Mutant("shared-sums-no-flag", "a rank that summed only its share of DDP's buckets trusts its own share",
+           "paratrain/parallel/buckets.py",
+           (("        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.share[2])\n", "\n"),),
+           ("tests/test_silent_failures.py",)),
+    Mutant("shared-sums-whole", "each rank sums every bucket whole, and still all-reduces a flag",
+           "paratrain/parallel/buckets.py",
+           (("            flat = flat.tensor_split(world)[rank]", "            pass"),),
            ("tests/test_silent_failures.py",)),
 ]
 

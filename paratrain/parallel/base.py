@@ -153,9 +153,10 @@ class ParallelModule(nn.Module):
 
     def reduced_finite(self) -> torch.Tensor | None:
         """Whether every gradient reduced since the last call is finite, known on every rank
-        without a collective (a 0-dim bool tensor), or None when this rank cannot tell alone;
-        called once per optimizer step. Strategies that see each reduction whole may say
-        (buckets.py, ReducedSums): ZeRO's small models, and DDP once watch_reductions() was called."""
+        (a 0-dim bool tensor), or None when this rank cannot tell alone; called once per optimizer
+        step, on every rank. Strategies that see each reduction whole may say (buckets.py,
+        ReducedSums): ZeRO's small models with no collective, and DDP once watch_reductions() was
+        called (above ReducedSums.LIMIT elements, after one all-reduce of a flag)."""
         return None
 
     def watch_reductions(self) -> None:

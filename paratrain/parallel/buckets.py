@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.comm import group_device
+
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_MB = 25
 UNLIMITED = [sys.maxsize]
@@ -74,23 +76,42 @@ class ReducedSums:
     NaN or infinite, with no second read of the gradients at the step and no collective (after a
     reduce-scatter only a slice's owner could tell, and a flag all-reduced over the ranks told the
     rest). Sums of finite values past the float range would be a false alarm, at gradients of
-    1e38. ZeRO uses it up to `LIMIT` trainable elements (zero/collectives.py, reduced_sums_for)."""
+    1e38. ZeRO uses it up to `LIMIT` trainable elements (zero/collectives.py, reduced_sums_for).
+
+    `share=(rank, world, group)`: every rank holds the same reduced buffers, so each sums only
+    slice `rank` of `world` and take() all-reduces one flag over `group`: a read of Ψ/N instead
+    of Ψ for one small all-reduce (DDP above `LIMIT` elements; ddp.py watch_reductions)."""
 
     LIMIT = 1 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, share: tuple[int, int, Any] | None = None) -> None:
         self.total: torch.Tensor | None = None
+        self.share = share
 
     def add(self, flat: torch.Tensor) -> None:
         """`flat` is a whole reduced buffer (after its work's wait)."""
+        if self.share is not None:
+            rank, world, _ = self.share
+            flat = flat.tensor_split(world)[rank]
         total = flat.detach().sum(dtype=torch.float32)
         self.total = total if self.total is None else self.total.add_(total)
 
     def take(self) -> torch.Tensor | None:
         """Whether every sum was finite (a 0-dim bool tensor), or None when none was taken;
-        starts the next count."""
+        starts the next count. Shared: a collective, so every rank calls it at the same point
+        (once per optimizer step, after the same reductions)."""
         total, self.total = self.total, None
-        return torch.isfinite(total) if total is not None else None
+        if total is None:
+            return None
+        if self.share is None:
+            return torch.isfinite(total)
+        bad = (~torch.isfinite(total)).float().to(group_device(self.share[2]))
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.share[2])
+        return bad == 0
+
+    def reset(self) -> None:
+        """Forget what was summed (no collective)."""
+        self.total = None
 
 
 class Reduction:

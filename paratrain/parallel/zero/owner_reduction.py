@@ -70,7 +70,7 @@ class OwnerReduction(Reduction):
         """Forget the reduced slices (stage 1 reads them in the buckets) and what the finite
         check summed of them."""
         if self.sums is not None:
-            self.sums.take()
+            self.sums.reset()
 
 
 @dataclass
