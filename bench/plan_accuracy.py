@@ -21,6 +21,10 @@ Predicted, from the same model built on the meta device: the fullest rank's devi
 (plan/recommend.predict_time: step_time.py over traffic.py's messages) on the cluster file,
 `--cluster`, or one `paratrain plan --calibrate` writes first into bench/results/cpu_calibration.json.
 Targets (issue 12): step time within 15 %, peak memory within 10 %, in every case.
+
+Before each case the bench times a 1024³ matmul and Adam again (`machine_speed`, in the JSON):
+this shared machine's rates move by up to 2 × within minutes, which the cluster file, measured
+once at the start, cannot follow; the ratios say how far each case's machine was from it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, pip
 import paratrain as pt  # noqa: E402
 from common import SEQ, add_force, make_batches, make_model, peak_rss_mb, print_table, reset_peak_rss, return_freed_memory_to_os, rss_mb, load_at_start, write_results  # noqa: E402
 from paratrain.plan.calibrate import Settings, calibrate  # noqa: E402
+from paratrain.plan.calibrate_compute import matmul_rates, optimizer_table  # noqa: E402
 from paratrain.plan.cluster import load_cluster, save_cluster  # noqa: E402
 from paratrain.plan.memory import predict  # noqa: E402
 from paratrain.plan.model_probe import model_facts  # noqa: E402
@@ -117,6 +122,21 @@ def predicted(model: str, case: str, world: int, cluster) -> dict:
             "compute_s": seconds.compute, "exposed_comm_s": seconds.exposed_comm, "bubble_s": seconds.bubble}
 
 
+def machine_speed(cluster) -> dict:
+    """The 1024³ fp32 matmul rate and Adam's rate over two 4M-element tensors, measured now (one
+    thread, about a second), over what the calibration measured: how far the machine drifted from
+    the cluster file while the cases ran (here the two moved by up to 2 × within minutes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        quick = Settings(matmul_seconds=0.3, optimizer_sizes=(2**22,))
+        matmul = matmul_rates(quick, torch.device("cpu"))["fp32"]
+        (_, adam), = optimizer_table(quick, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    return {"matmul": matmul / cluster.peak_flops["fp32"], "adam": adam / cluster.optimizer_rate_for(2**22)}
+
+
 def cases(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     return [(m, s, w) for m in args.models for s in args.strategies for w in args.worlds
             if not (s == "pipeline" and w < 2)]
@@ -133,13 +153,14 @@ def main(argv=None) -> None:
     rows = []
     for model, case, world in cases(args):
         want = predicted(model, case, world, cluster)
+        speed = machine_speed(cluster)
         got = measure(model, case, world, args)
         print(f"{model} {case} world {world}: step {got['step_s']:.3f} s (predicted {want['step_s']:.3f}), "
               f"peak {got['peak_mb']:.0f} MiB (predicted {want['peak_mb']:.0f})", flush=True)
         rows.append(dict(model=model, strategy=case, world=world, measured_step_s=got["step_s"],
                          predicted_step_s=want["step_s"], step_error=want["step_s"] / got["step_s"] - 1,
                          measured_peak_mb=got["peak_mb"], predicted_peak_mb=want["peak_mb"],
-                         peak_error=want["peak_mb"] / got["peak_mb"] - 1,
+                         peak_error=want["peak_mb"] / got["peak_mb"] - 1, machine_speed=speed,
                          **{f"predicted_{k}": v for k, v in want.items() if k not in ("step_s", "peak_mb")}))
     print_table(rows, [("model", "model", ""), ("strategy", "strategy", ""), ("world", "world", "d"),
                        ("measured_step_s", "step s", ".3f"), ("predicted_step_s", "predicted", ".3f"),
@@ -147,6 +168,9 @@ def main(argv=None) -> None:
                        ("predicted_peak_mb", "predicted", ".0f"), ("peak_error", "error", "+.1%")])
     within = [r for r in rows if abs(r["step_error"]) <= 0.15 and abs(r["peak_error"]) <= 0.10]
     print(f"within the targets (step time 15 %, peak 10 %): {len(within)} of {len(rows)} cases")
+    for what in ("matmul", "adam"):
+        seen = [r["machine_speed"][what] for r in rows]
+        print(f"this machine's {what} rate before each case: {min(seen):.2f}-{max(seen):.2f} x the calibration's")
     write_results(args, dict(global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES, steps=args.steps,
                              warmup=args.warmup, cluster=cluster.name, threads_per_rank=1), load,
                   ranks=max(args.worlds), cases=rows)

@@ -134,7 +134,8 @@ def test_a_factory_that_raises_is_named(capsys, tmp_path, monkeypatch):
 
 
 def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path, monkeypatch):
-    tiny = cal.Settings(sizes=(2**10, 2**20, 2**22), repeats=1, trials=3, matmul_size=64, matmul_seconds=0.02)
+    tiny = cal.Settings(sizes=(2**10, 2**20, 2**22), repeats=1, trials=3, matmul_size=64, matmul_seconds=0.02,
+                        matmul_grid=(8, 64), shape_seconds=0.003, optimizer_sizes=(2**10, 2**14))
     monkeypatch.setattr("paratrain.plan.plan_cli.QUICK", tiny)
     path = tmp_path / "here.json"
     code, out, err = run(capsys, "--calibrate", str(path), "--quick")
@@ -147,6 +148,11 @@ def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path, monke
     assert all(isinstance(link, Link) for link in cluster.collective_links.values())
     assert all(len(fit["points"]) == 3 for fit in cluster.measured["collectives"].values())
     assert "measured by paratrain plan --calibrate" in cluster.sources["all"]
+    table = cluster.matmul_rates["fp32"]  # every shape of the grid, each with its rate
+    assert sorted(tuple(row[:3]) for row in table) == [(m, k, n) for m in (8, 64) for k in (8, 64) for n in (8, 64)]
+    assert all(row[3] > 0 for row in table) and cluster.matmul_rate("fp32")(64, 64, 64) == table[-1][3]
+    assert [size for size, _ in cluster.optimizer_rates] == [2**10, 2**14]
+    assert all(rate > 0 for _, rate in cluster.optimizer_rates) and cluster.traffic_rate > 0
 
 
 def test_a_transformers_config_file(capsys, tmp_path):

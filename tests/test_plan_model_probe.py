@@ -54,6 +54,37 @@ def test_linear_stack_flops_are_2_B_in_out_per_layer_and_twice_that_backward(inp
     assert facts.param_bytes == 4 * facts.params and facts.tokens == B
 
 
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_linear_stack_matmuls_by_shape_mark_the_batch_dimension(input_grad):
+    """Forward: (B × in) @ (in × out) per layer, m the batch. Backward per layer: the input's
+    gradient (B × out) @ (out × in), m the batch, except the first layer's when the input needs
+    none; the weight's (out × B) @ (B × in), k the batch. Their FLOPs are FlopCounterMode's."""
+    from paratrain.plan.matmuls import Matmul, flops
+
+    sizes = (8, 16, 16, 4)
+    step = model_facts(source(lambda: Stack(sizes, input_grad)), B, activation_checkpointing=None).step
+    m, k = (False, True, False, False), (False, False, True, False)
+    expected = [Matmul("forward", 1, B, a, b, m) for a, b in zip(sizes, sizes[1:])]
+    expected += [Matmul("backward", 1, b, B, a, k) for a, b in zip(sizes, sizes[1:])]
+    expected += [Matmul("backward", 1, B, b, a, m) for a, b in list(zip(sizes, sizes[1:]))[0 if input_grad else 1:]]
+    got = [shape for shape, count in step.matmuls for _ in range(count)]
+    assert sorted(got) == sorted(expected)
+    assert (flops(step.matmuls, "forward"), flops(step.matmuls, "backward")) == (step.flops_forward, step.flops_backward)
+    assert expected[0].at(1 / 3) == (1, 1, 8, 16)  # a third of the batch: one row
+
+
+def test_the_other_ops_move_their_inputs_and_outputs_and_the_batch_part_is_told_apart():
+    """Forward of the stack: the matmuls move nothing here (their FLOPs time them), each tanh reads
+    and writes B·16 floats, and the loss (a sum of the outputs) reads B·4 floats and writes one,
+    which Python's sum() then adds to 0 (one float read, one written): all of it proportional to
+    the batch but those three floats."""
+    step = model_facts(source(Stack), B, activation_checkpointing=None).step
+    assert step.traffic.forward_fixed == 3 * 4
+    assert step.traffic.forward_per_batch == 2 * (2 * B * 16 * 4) + B * 4 * 4
+    assert step.traffic.bytes("forward", 1 / 3) == 3 * 12 + step.traffic.forward_per_batch  # one row at a time
+    assert step.traffic.backward_per_batch > 0
+
+
 def test_linear_stack_activation_bytes_are_its_inputs_and_tanh_outputs():
     """Linear saves its input (and its weight: a parameter, not counted); tanh saves its output,
     which the next Linear saves too: one storage. So: x (B·in) + two tanh outputs (B·h each)."""
@@ -234,3 +265,5 @@ def test_the_transient_peak_holds_the_gradients_of_what_backward_still_holds():
     assert 0 <= step.activation_bytes - (4 * B * C + logits) <= 8 * B + 8  # and the targets, a total weight
     assert step.activation_bytes + logits <= step.transient_bytes < step.activation_bytes + 3 * logits
     assert step.activation_peak_bytes == step.transient_bytes
+    # the loss holds targets of B rows: the run at 2·B fails, so no dimension is said to follow the batch
+    assert step.matmuls and not any(any(shape.scales) for shape, _ in step.matmuls)

@@ -5,6 +5,7 @@ per unit of volume; times are in seconds."""
 
 import pytest
 
+from paratrain.errors import ConfigError
 from paratrain.plan import step_time as st
 from paratrain.plan.cluster import Cluster, Link
 from paratrain.plan.comm_model import Group
@@ -87,3 +88,50 @@ def test_elementwise_work_and_the_optimizer_step_take_their_rates():
     assert st.optimizer_seconds(10**8, hand, world=4) == pytest.approx(2.0)  # two ranks per core
     assert st.optimizer_seconds(10**8, cluster(), world=2) == 0.0  # no rate: not timed
     assert st.StepTime(1.0, 0.5, bubble=0.25, optimizer=0.125).total == 1.875
+
+
+def test_a_matmul_table_times_each_shape_at_its_rate_on_a_ranks_share_of_the_batch():
+    """Grid 64 and 256 on every axis; m = 256 runs at 2e11 FLOP/s, m = 64 at 1e11 (log-rate
+    interpolated between: 128 at √2·1e11); everything else at the flat 0.5e12."""
+    import dataclasses
+    import math
+
+    from paratrain.plan.matmuls import Matmul
+
+    rows = [[m, k, n, 2e11 if m == 256 else 1e11] for m in (64, 256) for k in (64, 256) for n in (64, 256)]
+    hand = dataclasses.replace(cluster(), matmul_rates={"fp32": rows})
+    rate = hand.matmul_rate("fp32")
+    assert rate(256, 64, 64) == 2e11 and rate(64, 256, 256) == 1e11
+    assert rate(128, 100, 200) == pytest.approx(math.sqrt(2) * 1e11)
+    assert rate(4096, 64, 64) == 2e11 and rate(8, 64, 64) == 1e11  # clamped to the grid
+    # one forward matmul of 256 × 256 × 256 whose m is the batch; 1e9 FLOPs of attention besides
+    mm = Matmul("forward", 1, 256, 256, 256, (False, True, False, False))
+    flops = mm.flops + 1e9
+    whole = st.Compute.of(flops, 0.0, hand, "fp32", world=1, matmuls=((mm, 1),))
+    assert whole.forward == pytest.approx(mm.flops / 2e11 + 1e9 / 0.5e12)
+    # a quarter of the batch at once (4 ranks): four products of 64 × 256 × 256, at m = 64's rate
+    quarter = st.Compute.of(flops, 0.0, hand, "fp32", world=1, matmuls=((mm, 1),), fraction=0.25)
+    assert quarter.forward == pytest.approx(mm.flops / 1e11 + 1e9 / 0.5e12)
+    # without a table for the dtype, every FLOP at the flat rate, as before
+    assert st.Compute.of(flops, 0.0, cluster(), "fp32", world=1, matmuls=((mm, 1),)).forward == \
+        pytest.approx(flops / 0.5e12)
+    with pytest.raises(ConfigError, match="every"):
+        dataclasses.replace(cluster(), matmul_rates={"fp32": rows[:-1]}).matmul_rate("fp32")
+
+
+def test_the_optimizer_steps_each_tensor_at_its_sizes_calibrated_rate():
+    """Tensors of 10³ elements step at 1e6 elements/s, of 10⁶ at 1e5 (out of cache): log-
+    interpolated between, clamped outside; a pipeline stage stepping half the elements, half."""
+    import dataclasses
+
+    hand = dataclasses.replace(cluster(gpus_per_node=2), optimizer_rate=5e5,
+                               optimizer_rates=[[10**3, 1e6], [10**6, 1e5]])
+    assert hand.optimizer_rate_for(10**3) == 1e6 and hand.optimizer_rate_for(10**6) == 1e5
+    assert hand.optimizer_rate_for(10**4) == pytest.approx(10**(6 - 1 / 3))  # a third of the way in log size
+    assert hand.optimizer_rate_for(10) == 1e6 and hand.optimizer_rate_for(10**8) == 1e5
+    both = [10**3, 10**6]
+    seconds = 10**3 / 1e6 + 10**6 / 1e5
+    assert st.optimizer_seconds(sum(both), hand, world=2, tensors=both) == pytest.approx(seconds)
+    assert st.optimizer_seconds(sum(both) // 2, hand, world=2, tensors=both) == pytest.approx(seconds / 2)
+    assert st.optimizer_seconds(sum(both), hand, world=4, tensors=both) == pytest.approx(2 * seconds)
+    assert st.optimizer_seconds(sum(both), hand, world=2) == pytest.approx(sum(both) / 5e5)  # no sizes: the flat rate

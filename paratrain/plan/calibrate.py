@@ -1,10 +1,10 @@
 """`paratrain plan --calibrate OUT.json`: measure this machine and write a cluster file.
 
-Phase 1, compute: time square matmuls (`Settings.matmul_size`) in fp32, and in bf16 where the
-device has it, back to back after a warm-up; FLOP/s = 2·n³ per product. On the CPU, with one
-thread (a device is one core: the cluster's `gpus_per_node` is the core count) and with all of
-them (`measured["matmul_all_threads"]`). The measured rate is the achieved one, so the file's
-matmul_efficiency is 1.0.
+Phase 1, compute (calibrate_compute.py): square matmuls in fp32, and in bf16 where the device
+has it; a table of matmul rates by shape; Adam's rate by tensor size; element-wise work per byte.
+On the CPU, with one thread (a device is one core: the cluster's `gpus_per_node` is the core
+count), and square matmuls with all of them too (`measured["matmul_all_threads"]`). The measured
+rate is the achieved one, so the file's matmul_efficiency is 1.0.
 
 Phase 2, collectives: `Settings.world` ranks (testing.run_on_ranks: gloo on the CPU, nccl and one
 GPU each on a CUDA machine) run all-reduce, all-gather, reduce-scatter and broadcast on messages
@@ -38,22 +38,10 @@ from paratrain.comm import all_gather_single, reduce_scatter_single
 from paratrain.errors import ConfigError
 from paratrain.plan.cluster import Cluster, Link
 from paratrain.plan.comm_model import TERMS, Terms
+from paratrain.plan.calibrate_compute import (DTYPES, Settings, elementwise_rate, matmul_rates, matmul_table,
+                                               optimizer_rate, optimizer_table, sync_device, traffic_rate)
 from paratrain.testing import run_on_ranks
 from paratrain.topology import Topology
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How long and how finely to measure (the defaults take about 15 s on a 2-core CPU)."""
-
-    sizes: tuple[int, ...] = (2**12, 2**15, 2**18, 2**20, 2**22)  # message bytes
-    gpu_sizes: tuple[int, ...] = (2**12, 2**16, 2**20, 2**24, 2**28)  # NVLink needs large ones to show β
-    repeats: int = 5  # calls timed together, per trial
-    trials: int = 5  # the fastest trial counts
-    world: int = 2  # ranks taking part in the collectives
-    matmul_size: int = 1024  # n of the n×n products
-    gpu_matmul_size: int = 8192  # a GPU's tensor cores reach their rate only on large ones
-    matmul_seconds: float = 1.0  # time spent on each dtype's products, about
 
 
 @dataclass
@@ -78,8 +66,11 @@ def calibrate(settings: Settings = Settings(), *, name: str = "calibrated") -> C
             extra["matmul_all_threads"] = matmul_rates(settings, device)
             torch.set_num_threads(1)  # one device: one core
         flops = matmul_rates(settings, device)
+        extra["matmul_rates"] = {dtype: matmul_table(settings, device, DTYPES[dtype]) for dtype in flops}
         extra["optimizer_rate"] = optimizer_rate(settings, device)
+        extra["optimizer_rates"] = optimizer_table(settings, device)
         extra["elementwise_rate"] = elementwise_rate(settings, device)
+        extra["traffic_rate"] = traffic_rate(settings, device)
     finally:
         torch.set_num_threads(threads)
     results = run_on_ranks(time_collectives, world, settings, backend="nccl" if cuda else "gloo",
@@ -87,88 +78,6 @@ def calibrate(settings: Settings = Settings(), *, name: str = "calibrated") -> C
     points = {op: [(size, max(r[op][i][1] for r in results)) for i, (size, _) in enumerate(results[0][op])]
               for op in results[0]}
     return describe(Measured(flops, points, extra), world, device, name)
-
-
-def matmul_rates(settings: Settings, device: torch.device) -> dict[str, float]:
-    """Achieved FLOP/s of n×n matmuls per dtype the device can multiply (on the CPU: with the
-    threads torch has now)."""
-    rates = {}
-    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-            continue
-        rate = _matmul_rate(settings, device, dtype)
-        if rate is not None:
-            rates[dtype_name] = rate
-    return rates
-
-
-def _matmul_rate(settings: Settings, device: torch.device, dtype: torch.dtype) -> float | None:
-    n = settings.gpu_matmul_size if device.type == "cuda" else settings.matmul_size
-    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    try:
-        a @ b  # warm-up (and: can this device multiply this dtype?)
-    except RuntimeError:
-        return None
-    _sync(device)
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < settings.matmul_seconds or count < 2:
-        a @ b
-        count += 1
-        if device.type == "cuda" and count % 10 == 0:
-            _sync(device)
-    _sync(device)
-    return 2 * n**3 * count / (time.perf_counter() - start)
-
-
-def optimizer_rate(settings: Settings, device: torch.device) -> float:
-    """Elements per second torch.optim.Adam (its default implementation for the device:
-    single-tensor on the CPU, foreach on CUDA) steps: eight parameters of 2^20 elements, as a
-    model's many tensors."""
-    params = [torch.nn.Parameter(torch.randn(2**20, device=device)) for _ in range(8)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    adam = torch.optim.Adam(params, lr=1e-3)
-    return 8 * 2**20 / _seconds(adam.step, settings, device)
-
-
-def elementwise_rate(settings: Settings, device: torch.device) -> float:
-    """Saved-activation bytes per second through the element-wise work of a transformer block's
-    forward and backward without its matmuls (LayerNorm, GELU, softmax over rows, residual adds), on
-    (4096, 1024) floats; the bytes are what autograd saves, as model_probe counts them."""
-    x = torch.randn(4096, 1024, device=device, requires_grad=True)
-    norm = torch.nn.LayerNorm(1024).to(device)
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    def step() -> None:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            h = x + torch.nn.functional.gelu(norm(x))
-            y = h + torch.softmax(h, dim=-1)
-        y.sum().backward()
-
-    seconds = _seconds(step, settings, device)
-    return sum(saved.values()) / seconds
-
-
-def _seconds(call, settings: Settings, device: torch.device) -> float:
-    """The fastest of a few timings of `call()`, after one untimed."""
-    call()
-    best = float("inf")
-    for _ in range(max(3, settings.trials)):
-        _sync(device)
-        start = time.perf_counter()
-        call()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_collectives(topology: Topology, settings: Settings) -> dict[str, list[tuple[int, float]]]:
@@ -193,11 +102,11 @@ def _time(call, settings: Settings, device: torch.device) -> float:
     trials = []
     for _ in range(settings.trials):
         dist.barrier()
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         for _ in range(settings.repeats):
             call()
-        _sync(device)
+        sync_device(device)
         trials.append((time.perf_counter() - start) / settings.repeats)
     return min(trials)
 
@@ -238,7 +147,11 @@ def describe(measured: Measured, world: int, device: torch.device, name: str) ->
                  "inter": "assumption: one node was measured; the inter-node link is the intra-node one"},
         optimizer_rate=measured.extra.get("optimizer_rate", 0.0),
         elementwise_rate=measured.extra.get("elementwise_rate", 0.0),
-        measured={"collectives": per_op, **measured.extra})
+        matmul_rates=measured.extra.get("matmul_rates", {}),
+        optimizer_rates=measured.extra.get("optimizer_rates", []),
+        traffic_rate=measured.extra.get("traffic_rate", 0.0),
+        measured={"collectives": per_op, **{k: v for k, v in measured.extra.items()
+                                            if k not in ("matmul_rates", "optimizer_rates")}})
 
 
 def _fit_or_why(rows: list) -> dict:

@@ -16,9 +16,12 @@ Bandwidths are per device and per direction (bytes/s one rank sends while it als
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from paratrain.errors import ConfigError
 
@@ -58,6 +61,15 @@ class Cluster:
     optimizer_rate: float = 0.0  # elements per second an element-wise optimizer (Adam) steps per device
     elementwise_rate: float = 0.0  # saved-activation bytes per second the non-matmul work of a
     # forward and backward gets through (norms, activations, softmax, residuals, the loss)
+    # dtype -> [m, k, n, achieved FLOP/s] over a grid of shapes (calibrate.py matmul_table); a
+    # dtype without one times every matmul at flops(dtype) (plan/matmuls.py)
+    matmul_rates: dict[str, list[list[float]]] = field(default_factory=dict)
+    # [elements per tensor, elements/s] the optimizer steps tensors of that size at (calibrate.py
+    # optimizer_table): a tensor that fits in cache steps faster; none: optimizer_rate for all
+    optimizer_rates: list[list[float]] = field(default_factory=list)
+    # bytes/s the non-matmul ops read and write, counted as plan/matmuls.Recorder counts them
+    # (calibrate.py traffic_rate); 0: elementwise_rate over the saved activations instead
+    traffic_rate: float = 0.0
 
     def __post_init__(self):
         if self.gpus_per_node < 1 or not 0 < self.matmul_efficiency <= 1:
@@ -75,6 +87,56 @@ class Cluster:
             raise ConfigError(f"cluster {self.name!r} gives no peak FLOP/s for {dtype}; "
                               f"it has {', '.join(sorted(self.peak_flops))}")
         return self.peak_flops[dtype] * self.matmul_efficiency
+
+    def matmul_rate(self, dtype: str) -> Callable[[int, int, int], float]:
+        """FLOP/s of an (m × k) @ (k × n) product in `dtype`: interpolated in the calibrated
+        table (log-rate, trilinear in log-dimensions, clamped to the grid), else flops(dtype)."""
+        rows = self.matmul_rates.get(dtype)
+        if not rows:
+            flat = self.flops(dtype)
+            return lambda m, k, n: flat
+        axes = [sorted({int(row[i]) for row in rows}) for i in range(3)]
+        rates = {(int(m), int(k), int(n)): rate for m, k, n, rate in rows}
+        if len(rates) != len(axes[0]) * len(axes[1]) * len(axes[2]) or min(rates.values()) <= 0:
+            raise ConfigError(f"cluster {self.name!r}: matmul_rates[{dtype!r}] must hold a positive rate "
+                              "for every (m, k, n) of a grid; calibrate again")
+
+        def rate(*dims: int) -> float:
+            corners = [_bracket(axis, d) for axis, d in zip(axes, dims)]  # (low, high, weight of high)
+            weighted = []
+            for pick in itertools.product((0, 1), repeat=3):
+                weight, corner = 1.0, []
+                for (low, high, w), p in zip(corners, pick):
+                    weight *= w if p else 1 - w
+                    corner.append(high if p else low)
+                if weight:
+                    weighted.append((weight, rates[tuple(corner)]))
+            if len(weighted) == 1:  # a grid point: its own figure
+                return weighted[0][1]
+            return math.exp(sum(weight * math.log(r) for weight, r in weighted))
+        return rate
+
+
+    def optimizer_rate_for(self, elements: int) -> float:
+        """Elements/s the optimizer steps a tensor of `elements` at: log-interpolated in the
+        calibrated sizes (clamped), else optimizer_rate."""
+        if not self.optimizer_rates:
+            return self.optimizer_rate
+        sizes = sorted(int(size) for size, _ in self.optimizer_rates)
+        rates = {int(size): rate for size, rate in self.optimizer_rates}
+        low, high, w = _bracket(sizes, max(1, elements))
+        return rates[low] if not w else math.exp((1 - w) * math.log(rates[low]) + w * math.log(rates[high]))
+
+
+def _bracket(axis: list[int], d: int) -> tuple[int, int, float]:
+    """The grid values around `d` and the weight of the upper one, in log2 (clamped at the ends)."""
+    if d <= axis[0] or len(axis) == 1:
+        return axis[0], axis[0], 0.0
+    if d >= axis[-1]:
+        return axis[-1], axis[-1], 0.0
+    high = next(i for i, v in enumerate(axis) if v >= d)
+    low = axis[high - 1]
+    return low, axis[high], math.log2(d / low) / math.log2(axis[high] / low)
 
 
 # Adam reads and writes the parameter and both moments and reads the gradient: 28 bytes per fp32

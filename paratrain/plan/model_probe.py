@@ -25,6 +25,10 @@ and storages, no memory, no arithmetic), and one forward and one backward of one
   inputs and outputs count as alive together). The activation part of a step's peak memory
   (memory.py), where activation_bytes alone leaves out the backward's gradients of activations
   (a GPT's logits: their gradient is as large as they are) and the loss's temporaries.
+- Matmul shapes: each mm / addmm / bmm of the forward and the backward as (b, m, k, n), and the
+  bytes every other op reads and writes, from runs at the batch and at twice it, which mark what
+  follows the batch (matmuls.py): the planner times each matmul at its shape's rate on a rank's
+  share of the batch, and the rest by its bytes.
 - Parameters and their bytes: counted on the meta model, a tied weight once.
 
 Fake CPU tensors choose CPU kernels: attention goes through SDPA's flash kernel for the CPU,
@@ -36,6 +40,7 @@ which saves nothing, so a real loss adds what it saves (cross-entropy: about its
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -50,6 +55,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from paratrain.activation_checkpointing import Which, checkpoint_activations, select
 from paratrain.errors import ConfigError
 from paratrain.plan.fake_step import CPU_ATTENTION_FLOPS, Lifetimes, faked, fused_attention
+from paratrain.plan.matmuls import Matmuls, Recorder, Traffic, extend_matmuls, scaling
 from paratrain.plan.model_source import ModelSource
 from paratrain.plan.repeated_blocks import Stack, cut, extend, extend_blocks, find_stack
 from paratrain.precision import PRECISIONS
@@ -68,6 +74,8 @@ class StepCount:
     transient_bytes: int = 0  # the most held at once beyond parameters, buffers and their gradients
     checkpointed: tuple[str, ...] = ()  # the modules whose activations were checkpointed
     extended: bool = False  # counted from copies of the model cut to 1 and 2 blocks (repeated_blocks.py)
+    matmuls: Matmuls = ()  # the step's matmuls by shape, at this batch (plan/matmuls.py)
+    traffic: Traffic = Traffic()  # bytes the other ops read and write (plan/matmuls.py)
 
     @property
     def activation_peak_bytes(self) -> int:
@@ -143,19 +151,28 @@ def _cast(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
 def _count(source: ModelSource, model: nn.Module, *, stack: Stack | None, blocks: tuple[str, ...],
            checkpointed: tuple[str, ...] = (), **options) -> StepCount:
     """count_step, of the whole stack from its first one and two blocks when there is a stack."""
+    def whole() -> StepCount:
+        counted = count_step(source, model, blocks=blocks, checkpointed=checkpointed, **options)
+        matmuls, traffic = work_by_shape(source, model, **options)
+        return dataclasses.replace(counted, matmuls=matmuls, traffic=traffic)
+
     if stack is None:
-        return count_step(source, model, blocks=blocks, checkpointed=checkpointed, **options)
-    runs = []
+        return whole()
+    runs, shapes = [], []
     try:
         for keep in (1, 2):
             with cut(model, stack, keep):
                 runs.append(count_step(source, model, blocks=blocks, checkpointed=checkpointed, **options))
+                shapes.append(work_by_shape(source, model, **options))
     except Exception:  # a forward that reaches blocks by index: count it whole (raising what it raises)
         runs = []
     if len(runs) < 2 or runs[1].flops_forward <= runs[0].flops_forward:  # the cut did not take
-        return count_step(source, model, blocks=blocks, checkpointed=checkpointed, **options)
+        return whole()
     one, two = runs
-    return StepCount(flops_forward=extend(one.flops_forward, two.flops_forward, stack),
+    (matmuls_one, traffic_one), (matmuls_two, traffic_two) = shapes
+    return StepCount(matmuls=extend_matmuls(matmuls_one, matmuls_two, stack.length),
+                     traffic=Traffic(*(extend(a, b, stack) for a, b in zip(traffic_one, traffic_two))),
+                     flops_forward=extend(one.flops_forward, two.flops_forward, stack),
                      flops_backward=extend(one.flops_backward, two.flops_backward, stack),
                      activation_bytes=extend(one.activation_bytes, two.activation_bytes, stack),
                      transient_bytes=extend(one.transient_bytes, two.transient_bytes, stack),
@@ -207,6 +224,35 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
     return StepCount(flops_forward=forward.get_total_flops(), flops_backward=backward.get_total_flops(),
                      activation_bytes=sum(saved.values()), block_activation_bytes=by_block,
                      block_output_bytes=outputs, checkpointed=checkpointed, transient_bytes=transient)
+
+
+def work_by_shape(source: ModelSource, model: nn.Module, *, batch: int, seq: int | None, precision: str = "32",
+                  loss_fn=None) -> tuple[Matmuls, Traffic]:
+    """The matmuls of one forward and backward by shape, each dimension marked as scaling with
+    the batch or not, and the bytes the other ops move, from fake runs at `batch` and at twice it
+    (plan/matmuls.py). Where the second run fails (a loss_fn made for one batch size), no
+    dimension is marked and all the bytes count as per batch."""
+    runs = []
+    autocast = PRECISIONS[precision]
+    for size in (batch, 2 * batch):
+        mode = FakeTensorMode()
+        try:
+            with faked(model, mode), mode, fused_attention():
+                args, kwargs = source.inputs(model, size, seq)
+                with Recorder() as forward, (torch.autocast("cpu", dtype=autocast) if autocast else nullcontext()):
+                    loss = _loss(model(*args, **kwargs), loss_fn)
+                with Recorder() as backward:
+                    loss.backward()
+                model.zero_grad(set_to_none=True)
+        except Exception:
+            if size == batch:  # count_step ran this already: raise what it raises
+                raise
+            model.zero_grad(set_to_none=True)
+            break
+        runs.append(({"forward": forward.shapes, "backward": backward.shapes},
+                     {"forward": forward.traffic, "backward": backward.traffic}))
+    double = runs[1] if len(runs) > 1 else ({}, {})
+    return scaling(runs[0][0], double[0]), Traffic.of(runs[0][1], double[1])
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

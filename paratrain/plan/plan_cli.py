@@ -91,7 +91,8 @@ from paratrain.plan.recommend import FLOPS_DTYPE, describe_plan, nodes_for, plan
 from paratrain.plan.scaling import draw, leaders, scaling
 
 SCHEMA = "paratrain.plan/0"
-QUICK = Settings(sizes=(2**12, 2**18, 2**20), repeats=2, trials=2, matmul_size=256, matmul_seconds=0.2)
+QUICK = Settings(sizes=(2**12, 2**18, 2**20), repeats=2, trials=2, matmul_size=256, matmul_seconds=0.2,
+                 matmul_grid=(64, 512, 4096), shape_seconds=0.03)
 
 
 def add_plan_parser(commands) -> None:

@@ -90,14 +90,19 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
                  facts: ModelFacts) -> step_time.StepTime:
     """`strategy`'s step on `gpus` devices spread evenly over `nodes` nodes of `cluster` (step_time.py),
     the optimizer step included."""
+    at_once = 1 / gpus if not isinstance(strategy, Pipeline) else strategy.stages / gpus / strategy.microbatches
     compute = step_time.Compute.of(step.flops_forward, step.flops_backward, cluster, FLOPS_DTYPE[facts.precision],
-                                   world=gpus, nodes=nodes, activation_bytes=step.activation_bytes)
-    sent = traffic(source.build(), strategy, world=gpus, local_world=gpus // nodes)
+                                   world=gpus, nodes=nodes, activation_bytes=step.activation_bytes,
+                                   matmuls=step.matmuls, traffic=step.traffic, fraction=at_once)
+    model = source.build()
+    sent = traffic(model, strategy, world=gpus, local_world=gpus // nodes)
     seconds = _collectives(strategy, compute, sent, cluster, gpus=gpus, nodes=nodes, step=step)
     stepped = sum(n for n, _ in sent.buckets) if sent.buckets else facts.trainable_params
+    tensors = [p.numel() for p in model.parameters() if p.requires_grad]
     if isinstance(strategy, ZeRO):
-        stepped //= gpus  # each rank steps its slice
-    optimizer = step_time.optimizer_seconds(stepped, cluster, world=gpus, nodes=nodes)
+        stepped //= gpus  # each rank steps its slice: one flat shard per bucket (unit)
+        tensors = [max(1, n // gpus) for n, _ in sent.buckets] or tensors
+    optimizer = step_time.optimizer_seconds(stepped, cluster, world=gpus, nodes=nodes, tensors=tensors)
     if cluster.device == "cpu":  # gloo reduces on the cores that compute: nothing overlaps (step_time.py)
         seconds = dataclasses.replace(seconds, exposed_comm=max(seconds.exposed_comm, seconds.comm))
     return dataclasses.replace(seconds, optimizer=optimizer)

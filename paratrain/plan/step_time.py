@@ -3,11 +3,14 @@ not hide, and a pipeline's bubble.
 
 Compute: the FLOPs model_probe counted for the global batch (forward; backward with any
 recompute), times this rank's share of the batch (1/replicas; a pipeline stage also 1/stages),
-at the cluster's achievable rate for the precision (cluster.flops); plus the element-wise work
+at the cluster's achievable rate for the precision (cluster.flops), or, where the cluster holds a
+calibrated matmul table, each matmul at its shape's rate with a rank's share of the batch
+(a micro-batch's under a pipeline; plan/matmuls.py) and the rest at cluster.flops; plus, where
+the cluster has a traffic rate, the bytes the other ops read and write over it; else the element-wise work
 FlopCounterMode does not count (norms, activation functions, softmax, residuals, the loss): the
 saved activation bytes over the cluster's `elementwise_rate`, a third in the forward and two
 thirds in the backward. The optimizer step: the elements this rank steps over the cluster's
-`optimizer_rate`, after the backward (and before ZeRO-1/2's gather). Ranks beyond a node's
+`optimizer_rate` (or each tensor at its size's calibrated rate), after the backward (and before ZeRO-1/2's gather). Ranks beyond a node's
 devices share them (a CPU node running more ranks than cores): each then computes that many
 times slower.
 
@@ -49,6 +52,9 @@ from dataclasses import dataclass
 from paratrain.plan import comm_model
 from paratrain.plan.cluster import Cluster
 from paratrain.plan.comm_model import Group
+from paratrain.plan.matmuls import Matmuls, Traffic
+from paratrain.plan.matmuls import flops as matmul_flops
+from paratrain.plan.matmuls import seconds as matmul_seconds
 
 
 @dataclass(frozen=True)
@@ -75,12 +81,28 @@ class Compute:
 
     @classmethod
     def of(cls, flops_forward: float, flops_backward: float, cluster: Cluster, dtype: str,
-           *, world: int, nodes: int = 1, activation_bytes: int = 0) -> "Compute":
-        """At the cluster's achievable rates, slowed when a node runs more ranks than devices."""
+           *, world: int, nodes: int = 1, activation_bytes: int = 0, matmuls: Matmuls = (),
+           traffic: Traffic | None = None, fraction: float = 1.0) -> "Compute":
+        """At the cluster's achievable rates, slowed when a node runs more ranks than devices.
+        Where the cluster has a matmul table for `dtype`, `matmuls` (model_probe's) are timed
+        at their shapes when a rank runs `fraction` of the batch at once, and where it has a
+        traffic rate, the other ops by the bytes they move (`traffic`; plan/matmuls.py)."""
         shared = sharing(cluster, world=world, nodes=nodes)
         rate = cluster.flops(dtype) / shared
         elementwise = activation_bytes * shared / cluster.elementwise_rate if cluster.elementwise_rate else 0.0
-        return cls(flops_forward / rate + elementwise / 3, flops_backward / rate + 2 * elementwise / 3)
+        split = (elementwise / 3, 2 * elementwise / 3)
+        if traffic is not None and any(traffic) and cluster.traffic_rate:
+            split = tuple(traffic.bytes(name, fraction) * shared / cluster.traffic_rate
+                          for name in ("forward", "backward"))
+        if not (matmuls and cluster.matmul_rates.get(dtype)):
+            return cls(flops_forward / rate + split[0], flops_backward / rate + split[1])
+        shaped = cluster.matmul_rate(dtype)
+
+        def phase(flops: float, name: str) -> float:  # the rest (attention, convolutions) at the flat rate
+            rest = max(0.0, flops - matmul_flops(matmuls, name))
+            return rest / rate + shared * matmul_seconds(matmuls, name, shaped, fraction)
+
+        return cls(phase(flops_forward, "forward") + split[0], phase(flops_backward, "backward") + split[1])
 
     def share(self, fraction: float) -> "Compute":
         return Compute(self.forward * fraction, self.backward * fraction)
@@ -91,11 +113,18 @@ def sharing(cluster: Cluster, *, world: int, nodes: int = 1) -> float:
     return max(1.0, world / nodes / cluster.gpus_per_node)
 
 
-def optimizer_seconds(elements: int, cluster: Cluster, *, world: int, nodes: int = 1) -> float:
-    """The optimizer step over `elements` on one rank (0 when the cluster gives no rate)."""
-    if not cluster.optimizer_rate:
+def optimizer_seconds(elements: int, cluster: Cluster, *, world: int, nodes: int = 1,
+                      tensors: list[int] | None = None) -> float:
+    """The optimizer step over `elements` on one rank (0 when the cluster gives no rate); with
+    the sizes of the `tensors` it steps (their sum may exceed `elements`: a pipeline stage steps
+    its share of them) and a calibrated table, each size at its own rate."""
+    if not cluster.optimizer_rate and not cluster.optimizer_rates:
         return 0.0
-    return elements * sharing(cluster, world=world, nodes=nodes) / cluster.optimizer_rate
+    shared = sharing(cluster, world=world, nodes=nodes)
+    if not (tensors and cluster.optimizer_rates):
+        return elements * shared / cluster.optimizer_rate
+    seconds = sum(n / cluster.optimizer_rate_for(n) for n in tensors)
+    return seconds * elements / sum(tensors) * shared
 
 
 def bucket_overlap(backward: float, bucket_elements: list[int], reduce_times: list[float]) -> float:
