@@ -135,7 +135,8 @@ def test_a_factory_that_raises_is_named(capsys, tmp_path, monkeypatch):
 
 def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path, monkeypatch):
     tiny = cal.Settings(sizes=(2**10, 2**20, 2**22), repeats=1, trials=3, matmul_size=64, matmul_seconds=0.02,
-                        matmul_grid=(8, 64), shape_seconds=0.003, optimizer_sizes=(2**10, 2**14))
+                        matmul_grid=(8, 64), shape_seconds=0.003, optimizer_sizes=(2**10, 2**14),
+                        cold_bytes=2**20)
     monkeypatch.setattr("paratrain.plan.plan_cli.QUICK", tiny)
     path = tmp_path / "here.json"
     code, out, err = run(capsys, "--calibrate", str(path), "--quick")

@@ -84,7 +84,7 @@ def matmul_table(settings: Settings, device: torch.device, dtype: torch.dtype) -
 def _cold_matmul_seconds(settings: Settings, device: torch.device, pool: torch.Tensor, outs: torch.Tensor,
                          m: int, k: int, n: int) -> float:
     """Seconds of one (m × k) @ (k × n), cycling through the copies of its operands `pool` holds."""
-    copies = min(pool.numel() // (m * k + k * n), outs.numel() // (m * n))
+    copies = min(pool.numel() // (m * k + k * n), outs.numel() // (m * n), 1024)  # small sets: few MB
     if copies < 1:  # operands larger than the pool: one set, out of cache by its size alone
         return _cold_matmul_seconds(settings, device, torch.randn(m * k + k * n, device=device).to(pool.dtype),
                                     torch.empty(m * n, device=device, dtype=pool.dtype), m, k, n)
