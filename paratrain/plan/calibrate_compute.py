@@ -88,9 +88,10 @@ def _cold_matmul_seconds(settings: Settings, device: torch.device, pool: torch.T
     if copies < 1:  # operands larger than the pool: one set, out of cache by its size alone
         return _cold_matmul_seconds(settings, device, torch.randn(m * k + k * n, device=device).to(pool.dtype),
                                     torch.empty(m * n, device=device, dtype=pool.dtype), m, k, n)
-    pairs = [(pool[i * (m * k + k * n):][:m * k].view(m, k), pool[i * (m * k + k * n) + m * k:][:k * n].view(k, n),
+    stride = m * k + k * n  # copy i: a then b, from element i · stride of the pool
+    pairs = [(pool[i * stride:][:m * k].view(m, k), pool[i * stride + m * k:][:k * n].view(k, n),
               outs[i * m * n:][:m * n].view(m, n)) for i in range(copies)]
-    turn = iter(range(1 << 62))
+    turn = itertools.count()
 
     def call() -> None:
         a, b, out = pairs[next(turn) % copies]

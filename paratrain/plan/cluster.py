@@ -116,7 +116,6 @@ class Cluster:
             return math.exp(sum(weight * math.log(r) for weight, r in weighted))
         return rate
 
-
     def optimizer_rate_for(self, elements: int) -> float:
         """Elements/s the optimizer steps a tensor of `elements` at: log-interpolated in the
         calibrated sizes (clamped), else optimizer_rate."""

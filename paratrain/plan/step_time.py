@@ -3,16 +3,16 @@ not hide, and a pipeline's bubble.
 
 Compute: the FLOPs model_probe counted for the global batch (forward; backward with any
 recompute), times this rank's share of the batch (1/replicas; a pipeline stage also 1/stages),
-at the cluster's achievable rate for the precision (cluster.flops), or, where the cluster holds a
-calibrated matmul table, each matmul at its shape's rate with a rank's share of the batch
-(a micro-batch's under a pipeline; plan/matmuls.py) and the rest at cluster.flops; plus, where
-the cluster has a traffic rate, the bytes the other ops read and write over it; else the element-wise work
-FlopCounterMode does not count (norms, activation functions, softmax, residuals, the loss): the
-saved activation bytes over the cluster's `elementwise_rate`, a third in the forward and two
-thirds in the backward. The optimizer step: the elements this rank steps over the cluster's
-`optimizer_rate` (or each tensor at its size's calibrated rate), after the backward (and before ZeRO-1/2's gather). Ranks beyond a node's
-devices share them (a CPU node running more ranks than cores): each then computes that many
-times slower.
+at the cluster's achievable rate for the precision (cluster.flops), or, where the cluster holds
+a calibrated matmul table, each matmul at its shape's rate with a rank's share of the batch (a
+micro-batch's under a pipeline; plan/matmuls.py) and the rest at cluster.flops. Plus the
+element-wise work FlopCounterMode does not count (norms, activation functions, softmax,
+residuals, the loss): where the cluster has a traffic rate, the bytes those ops read and write
+over it; else the saved activation bytes over the cluster's `elementwise_rate`, a third in the
+forward and two thirds in the backward. The optimizer step: the elements this rank steps over
+the cluster's `optimizer_rate` (or each tensor at its size's calibrated rate), after the
+backward (and before ZeRO-1/2's gather). Ranks beyond a node's devices share them (a CPU node
+running more ranks than cores): each then computes that many times slower.
 
 Communication: each collective the strategy issues, timed by comm_model.py, on one queue per
 rank (c10d runs a group's collectives in the order issued). How each overlaps with compute:
@@ -122,7 +122,7 @@ def optimizer_seconds(elements: int, cluster: Cluster, *, world: int, nodes: int
         return 0.0
     shared = sharing(cluster, world=world, nodes=nodes)
     if not (tensors and cluster.optimizer_rates):
-        return elements * shared / cluster.optimizer_rate
+        return elements * shared / (cluster.optimizer_rate or cluster.optimizer_rate_for(elements))
     seconds = sum(n / cluster.optimizer_rate_for(n) for n in tensors)
     return seconds * elements / sum(tensors) * shared
 
