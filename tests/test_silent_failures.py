@@ -46,9 +46,16 @@ def _nan_gradient(topo, strategy, tmp, limit=None):
             if poison["on"]:
                 out.register_hook(lambda g: g * float("nan"))
         session.unwrap(model).net[0].register_forward_hook(poisoned)
-    x, y = XS[0].chunk(2)[topo.rank], YS[0].chunk(2)[topo.rank]
+    return _two_steps_the_second_poisoned(session, topo, poison, checkpoint=tmp)
+
+
+def _two_steps_the_second_poisoned(session, topo, poison, checkpoint=None):
+    """One good step (then a checkpoint, if given), then one with `poison` on: the second step's
+    UsageError (or None) and how far the parameters moved in it."""
+    x, y = XS[0].chunk(topo.world_size)[topo.rank], YS[0].chunk(topo.world_size)[topo.rank]
     session.train_step((x, y), F.cross_entropy)
-    session.checkpoint(tmp)  # the good state
+    if checkpoint is not None:
+        session.checkpoint(checkpoint)  # the good state
     before = {k: v.clone() for k, v in session.full_state_dict().items()}
     poison["on"] = True
     try:
@@ -56,8 +63,7 @@ def _nan_gradient(topo, strategy, tmp, limit=None):
         error = None
     except pt.UsageError as e:
         error = str(e)
-    after = session.full_state_dict()
-    return error, max_param_diff(before, after)
+    return error, max_param_diff(before, session.full_state_dict())
 
 
 @pytest.mark.parametrize("strategy, limit", [("ddp", None), ("ddp-fp16-hook", None), ("zero1", None), ("zero2", None),
@@ -90,16 +96,7 @@ def _one_nan_element(topo, param, index, limit):
             g.view(-1)[index] = float("nan")
             return g
         dict(session.unwrap(model).named_parameters())[param].register_hook(poisoned)
-    x, y = XS[0].chunk(topo.world_size)[topo.rank], YS[0].chunk(topo.world_size)[topo.rank]
-    session.train_step((x, y), F.cross_entropy)
-    before = {k: v.clone() for k, v in session.full_state_dict().items()}
-    poison["on"] = True
-    try:
-        session.train_step((x, y), F.cross_entropy)
-        error = None
-    except pt.UsageError as e:
-        error = str(e)
-    return error, max_param_diff(before, session.full_state_dict())
+    return _two_steps_the_second_poisoned(session, topo, poison)
 
 
 @pytest.mark.parametrize("world, param, index", [(2, "net.0.weight", 0), (2, "net.4.bias", -1),
