@@ -43,6 +43,7 @@ class Settings:
     gpu_matmul_grid: tuple[int, ...] = (256, 2048, 16384)
     shape_seconds: float = 0.06
     shape_cap: int = 2**32
+    gpu_shape_cap: int = 2**40  # a GPU multiplies 2^32 in microseconds: its large shapes are timed whole
     optimizer_sizes: tuple[int, ...] = (2**14, 2**17, 2**20, 2**22, 2**24)  # elements per tensor
     cold_bytes: int = 256 * 2**20  # operands cycled through per shape, beyond any cache
 
@@ -67,13 +68,14 @@ def matmul_table(settings: Settings, device: torch.device, dtype: torch.dtype) -
     `Settings.cold_bytes` of random values. The same product repeated on one pair of operands ran
     10-25 % faster here at the bench GPT's shapes."""
     grid = settings.gpu_matmul_grid if device.type == "cuda" else settings.matmul_grid
+    cap = settings.gpu_shape_cap if device.type == "cuda" else settings.shape_cap
     size = torch.finfo(dtype).bits // 8
     pool = torch.randn(settings.cold_bytes // size, device=device).to(dtype)
     outs = torch.empty_like(pool)
     table = []
     for m, k, n in itertools.product(grid, repeat=3):
         timed = [m, k, n]
-        while timed[0] * timed[1] * timed[2] > settings.shape_cap:
+        while timed[0] * timed[1] * timed[2] > cap:
             largest = timed.index(max(timed))
             timed[largest] //= 2
         best = _cold_matmul_seconds(settings, device, pool, outs, *timed)
