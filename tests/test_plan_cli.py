@@ -58,6 +58,9 @@ def test_the_model_facts_print_and_the_json_follows_the_schema(capsys):
                         "recommended", "fit_advice"}
     assert got["strategies"] is None and got["recommended"] is None and got["nodes"] is None  # no --gpus
     model = got["model"]
+    assert [tuple(shape[:5]) for shape, _ in model["step"]["matmuls"]] == \
+        [tuple(shape[:5]) for shape, _ in facts.step.matmuls]
+    assert model["step"]["traffic"] == list(facts.step.traffic) and len(model["step"]["traffic"]) == 4
     assert model["params"] == facts.params == 1721 and model["tokens"] == 4 and model["seq"] is None
     assert model["step"]["flops_forward"] == facts.step.flops_forward
     assert model["step"]["activation_bytes"] == facts.step.activation_bytes

@@ -85,6 +85,26 @@ def test_the_other_ops_move_their_inputs_and_outputs_and_the_batch_part_is_told_
     assert step.traffic.backward_per_batch > 0
 
 
+def test_an_embedding_moves_the_rows_it_gathers_not_its_table():
+    """A 10,000 × 8 table (320 KB) looked up at B × 4 indices: it reads and writes B·4·8 floats
+    and reads the B·4 int64 indices; the loss then reads them once more."""
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(10_000, 8)
+
+        def forward(self, idx):
+            return self.table(idx)
+
+        def example_inputs(self, batch, seq):
+            return (torch.zeros(batch, 4, dtype=torch.long),)
+
+    traffic = model_facts(source(Lookup), B, activation_checkpointing=None).step.traffic
+    rows = B * 4 * 8 * 4
+    assert traffic.forward_per_batch == 2 * rows + B * 4 * 8 + rows  # gather, indices, the loss's sum
+    assert traffic.forward_fixed == 3 * 4  # the loss's one float, added to 0
+
+
 def test_linear_stack_activation_bytes_are_its_inputs_and_tanh_outputs():
     """Linear saves its input (and its weight: a parameter, not counted); tanh saves its output,
     which the next Linear saves too: one storage. So: x (B·in) + two tanh outputs (B·h each)."""

@@ -56,6 +56,7 @@ Matmuls = tuple[tuple[Matmul, int], ...]  # each shape and how many times the st
 
 
 MATMULS = (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
+GATHERS = (aten.embedding, aten.index_select)  # a table's rows by index
 # ops that move no data (a view, a fresh allocation) or whose time their FLOPs give (attention)
 NO_TRAFFIC = ("_unsafe_view", "empty", "detach", "alias", "lift_fresh", "attention", "_efficient_attention",
               "_flash_attention")
@@ -81,6 +82,9 @@ class Recorder(TorchDispatchMode):
                 self.shapes.append((1, a.shape[0], a.shape[1], b.shape[1]))
             else:
                 self.shapes.append((a.shape[0], a.shape[1], a.shape[2], b.shape[2]))
+        elif packet in GATHERS:  # reads the rows it gathers, not the whole table
+            index = next(a for a in args[1:] if isinstance(a, torch.Tensor))
+            self.traffic += 2 * out.numel() * out.element_size() + index.numel() * index.element_size()
         elif getattr(func, "namespace", None) == "aten" and not (
                 func.is_view or any(word in str(packet) for word in NO_TRAFFIC)):  # not prim.device &c.
             tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]

@@ -32,6 +32,11 @@ exit status 2, as everywhere in the CLI.
                                           parameters, buffers and their gradients (activations, their
                                           gradients, temporaries)
         block_activation_bytes            {block name: the part saved while it ran}
+        matmuls                           [[[phase, b, m, k, n, [which of b, m, k, n follow the
+                                          batch]], count], ...]: b products of (m × k) @ (k × n)
+                                          (plan/matmuls.py)
+        traffic                           [forward_fixed, forward_per_batch, backward_fixed,
+                                          backward_per_batch]: bytes the other ops read and write
         checkpointed                      [] here
       checkpointed    the same with --activation-checkpointing's modules checkpointed
                       (`checkpointed` names them; flops_backward includes the recompute), or null
