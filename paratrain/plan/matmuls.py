@@ -58,8 +58,7 @@ Matmuls = tuple[tuple[Matmul, int], ...]  # each shape and how many times the st
 MATMULS = (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
 GATHERS = (aten.embedding, aten.index_select)  # a table's rows by index
 # ops that move no data (a view, a fresh allocation) or whose time their FLOPs give (attention)
-NO_TRAFFIC = ("_unsafe_view", "empty", "detach", "alias", "lift_fresh", "attention", "_efficient_attention",
-              "_flash_attention")
+NO_TRAFFIC = ("_unsafe_view", "empty", "detach", "alias", "lift_fresh", "attention")  # parts of op names
 
 
 class Recorder(TorchDispatchMode):
