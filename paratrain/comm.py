@@ -267,6 +267,17 @@ def _check_average(tensor: torch.Tensor, op, average: bool, name: str) -> None:
                          "convert it with .float() first")
 
 
+def max_over(flag: torch.Tensor, group=None) -> torch.Tensor:
+    """`flag` (this rank's 0 or 1, a float tensor) as its largest value over `group`'s ranks: one
+    MAX all-reduce on the group's device (`group=None`: this rank holds everything, `flag` as is).
+    Whether any rank saw a NaN or an overflow, each rank having checked what it holds."""
+    if group is None:
+        return flag
+    flag = flag.to(group_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return flag
+
+
 def group_device(group=None) -> torch.device:
     """Where scratch tensors for `group` live: nccl reduces CUDA tensors only."""
     if dist.get_backend(group) == "nccl":

@@ -33,10 +33,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from paratrain.comm import group_device
+from paratrain.comm import group_device, max_over
 from paratrain.errors import ConfigError
 
 # the autocast dtype of each Session precision; "32" trains in the parameters' own dtype
@@ -103,10 +102,7 @@ class GradScaler:
         for g in grads:
             g.mul_(multiplier)
             found = torch.maximum(found, (~torch.isfinite(g)).any().to(found.device, found.dtype))
-        if group is not None:
-            found = found.to(group_device(group))
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        self.found_inf = bool(found.item())
+        self.found_inf = bool(max_over(found, group).item())
         return self.found_inf
 
     def update(self) -> None:

@@ -27,10 +27,9 @@ import math
 from typing import Any, Callable, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from paratrain.accumulation import TokenWeights
-from paratrain.comm import group_device
+from paratrain.comm import max_over
 from paratrain.errors import UsageError
 from paratrain.parallel.base import ParallelModule
 from paratrain.precision import GradScaler
@@ -135,11 +134,7 @@ def _all_finite(grads: list[torch.Tensor], group: Any, reduced_finite: torch.Ten
     total = torch.stack(sums).sum() if sums else torch.zeros(())
     if loss is not None:
         total = total.float() + loss.to(total.device)
-    bad = (~torch.isfinite(total)).float()
-    if group is not None:
-        bad = bad.to(group_device(group))
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-    return not bool(bad.item())
+    return not bool(max_over((~torch.isfinite(total)).float(), group).item())
 
 
 def _non_finite(model: ParallelModule, what: str, losses: LossLog | None) -> UsageError:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import group_device
+from paratrain.comm import max_over
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_MB = 25
@@ -79,7 +79,8 @@ class ReducedSums:
     1e38. ZeRO uses it up to `LIMIT` trainable elements (zero/collectives.py, reduced_sums_for).
 
     `share=(rank, world, group)`: every rank holds the same reduced buffers, so each sums only
-    slice `rank` of `world` and take() all-reduces one flag over `group`: a read of Ψ/N instead
+    slice `rank` of `world` and take() all-reduces one flag over `group` (a group, WORLD rather
+    than None: comm.max_over takes None for "nothing to reduce"): a read of Ψ/N instead
     of Ψ for one small all-reduce (DDP above `LIMIT` elements; ddp.py watch_reductions)."""
 
     LIMIT = 1 << 20
@@ -105,9 +106,7 @@ class ReducedSums:
             return None
         if self.share is None:
             return torch.isfinite(total)
-        bad = (~torch.isfinite(total)).float().to(group_device(self.share[2]))
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.share[2])
-        return bad == 0
+        return max_over((~torch.isfinite(total)).float(), self.share[2]) == 0
 
     def reset(self) -> None:
         """Forget what was summed (no collective)."""

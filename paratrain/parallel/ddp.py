@@ -187,7 +187,8 @@ class DistributedDataParallel(ParallelModule, Joinable):
         collective's latency."""
         if isinstance(self._grad_sync.reduction, AllReduce):
             elements = sum(p.numel() for p in self._params)
-            share = ((self.replica_index, self.replicas, self.process_group)
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            share = ((self.replica_index, self.replicas, group)
                      if self.replicas > 1 and elements > ReducedSums.LIMIT and self._params[0].device.type == "cpu"
                      else None)
             self._grad_sync.reduction.sums = ReducedSums(share)
