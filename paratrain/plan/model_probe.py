@@ -152,24 +152,23 @@ def _count(source: ModelSource, model: nn.Module, *, stack: Stack | None, blocks
            checkpointed: tuple[str, ...] = (), **options) -> StepCount:
     """count_step, of the whole stack from its first one and two blocks when there is a stack."""
     def whole() -> StepCount:
-        counted = count_step(source, model, blocks=blocks, checkpointed=checkpointed, **options)
-        matmuls, traffic = work_by_shape(source, model, **options)
+        counted, at_batch = count_step(source, model, blocks=blocks, checkpointed=checkpointed, **options)
+        matmuls, traffic = work_by_shape(source, model, at_batch, **options)
         return dataclasses.replace(counted, matmuls=matmuls, traffic=traffic)
 
     if stack is None:
         return whole()
-    runs, shapes = [], []
+    runs = []
     try:
         for keep in (1, 2):
             with cut(model, stack, keep):
-                runs.append(count_step(source, model, blocks=blocks, checkpointed=checkpointed, **options))
-                shapes.append(work_by_shape(source, model, **options))
+                counted, at_batch = count_step(source, model, blocks=blocks, checkpointed=checkpointed, **options)
+                runs.append((counted, work_by_shape(source, model, at_batch, **options)))
     except Exception:  # a forward that reaches blocks by index: count it whole (raising what it raises)
         runs = []
-    if len(runs) < 2 or runs[1].flops_forward <= runs[0].flops_forward:  # the cut did not take
+    if len(runs) < 2 or runs[1][0].flops_forward <= runs[0][0].flops_forward:  # the cut did not take
         return whole()
-    one, two = runs
-    (matmuls_one, traffic_one), (matmuls_two, traffic_two) = shapes
+    (one, (matmuls_one, traffic_one)), (two, (matmuls_two, traffic_two)) = runs
     return StepCount(matmuls=extend_matmuls(matmuls_one, matmuls_two, stack.length),
                      traffic=Traffic(*(extend(a, b, stack) for a, b in zip(traffic_one, traffic_two))),
                      flops_forward=extend(one.flops_forward, two.flops_forward, stack),
@@ -182,10 +181,12 @@ def _count(source: ModelSource, model: nn.Module, *, stack: Stack | None, blocks
 
 
 def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | None, precision: str = "32",
-               loss_fn=None, blocks: tuple[str, ...] = (), checkpointed: tuple[str, ...] = ()) -> StepCount:
+               loss_fn=None, blocks: tuple[str, ...] = (),
+               checkpointed: tuple[str, ...] = ()) -> tuple[StepCount, tuple[dict, dict]]:
     """Run one forward and backward of `model` (built by `source` on the meta device; its tensors
     are fake while this runs, and put back after) and count them; what is saved while one of
-    `blocks` runs is also counted for that block."""
+    `blocks` runs is also counted for that block. Also returns what matmuls.Recorder saw, by
+    phase: (matmul shapes in order, traffic bytes), for work_by_shape."""
     model.train()
     present = dict(model.named_modules())
     blocks = tuple(name for name in blocks if name in present)  # a cut stack holds fewer
@@ -210,10 +211,11 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
             args, kwargs = source.inputs(model, batch, seq)
             with Lifetimes(state) as lifetimes:
                 with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as forward, \
-                        torch.autograd.graph.saved_tensors_hooks(pack, _same), \
+                        Recorder() as forward_work, torch.autograd.graph.saved_tensors_hooks(pack, _same), \
                         (torch.autocast("cpu", dtype=autocast) if autocast else nullcontext()):
                     loss = _loss(model(*args, **kwargs), loss_fn)
-                with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as backward:
+                with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as backward, \
+                        Recorder() as backward_work:
                     loss.backward()
             grads = {StorageWeakRef(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
             transient = lifetimes.peak(leaving_out=grads)
@@ -221,38 +223,38 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
     finally:
         for handle in handles:
             handle.remove()
-    return StepCount(flops_forward=forward.get_total_flops(), flops_backward=backward.get_total_flops(),
-                     activation_bytes=sum(saved.values()), block_activation_bytes=by_block,
-                     block_output_bytes=outputs, checkpointed=checkpointed, transient_bytes=transient)
+    counted = StepCount(flops_forward=forward.get_total_flops(), flops_backward=backward.get_total_flops(),
+                        activation_bytes=sum(saved.values()), block_activation_bytes=by_block,
+                        block_output_bytes=outputs, checkpointed=checkpointed, transient_bytes=transient)
+    return counted, _recorded(forward_work, backward_work)
 
 
-def work_by_shape(source: ModelSource, model: nn.Module, *, batch: int, seq: int | None, precision: str = "32",
-                  loss_fn=None) -> tuple[Matmuls, Traffic]:
+def _recorded(forward: Recorder, backward: Recorder) -> tuple[dict, dict]:
+    return ({"forward": forward.shapes, "backward": backward.shapes},
+            {"forward": forward.traffic, "backward": backward.traffic})
+
+
+def work_by_shape(source: ModelSource, model: nn.Module, at_batch: tuple[dict, dict], *, batch: int,
+                  seq: int | None, precision: str = "32", loss_fn=None) -> tuple[Matmuls, Traffic]:
     """The matmuls of one forward and backward by shape, each dimension marked as scaling with
-    the batch or not, and the bytes the other ops move, from fake runs at `batch` and at twice it
-    (plan/matmuls.py). Where the second run fails (a loss_fn made for one batch size), no
-    dimension is marked and all the bytes count as per batch."""
-    runs = []
+    the batch or not, and the bytes the other ops move: `at_batch` (count_step's run) against a
+    fake run at twice the batch (plan/matmuls.py). Where that run fails (a loss_fn made for one
+    batch size), no dimension is marked and all the bytes count as per batch."""
     autocast = PRECISIONS[precision]
-    for size in (batch, 2 * batch):
-        mode = FakeTensorMode()
-        try:
-            with faked(model, mode), mode, fused_attention():
-                args, kwargs = source.inputs(model, size, seq)
-                with Recorder() as forward, (torch.autocast("cpu", dtype=autocast) if autocast else nullcontext()):
-                    loss = _loss(model(*args, **kwargs), loss_fn)
-                with Recorder() as backward:
-                    loss.backward()
-                model.zero_grad(set_to_none=True)
-        except Exception:
-            if size == batch:  # count_step ran this already: raise what it raises
-                raise
-            model.zero_grad(set_to_none=True)
-            break
-        runs.append(({"forward": forward.shapes, "backward": backward.shapes},
-                     {"forward": forward.traffic, "backward": backward.traffic}))
-    double = runs[1] if len(runs) > 1 else ({}, {})
-    return scaling(runs[0][0], double[0]), Traffic.of(runs[0][1], double[1])
+    mode = FakeTensorMode()
+    try:
+        with faked(model, mode), mode, fused_attention():
+            args, kwargs = source.inputs(model, 2 * batch, seq)
+            with Recorder() as forward, (torch.autocast("cpu", dtype=autocast) if autocast else nullcontext()):
+                loss = _loss(model(*args, **kwargs), loss_fn)
+            with Recorder() as backward:
+                loss.backward()
+        double = _recorded(forward, backward)
+    except Exception:
+        double = ({}, {})
+    finally:
+        model.zero_grad(set_to_none=True)
+    return scaling(at_batch[0], double[0]), Traffic.of(at_batch[1], double[1])
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
