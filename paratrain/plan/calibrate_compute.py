@@ -103,13 +103,16 @@ def _cold_matmul_seconds(settings: Settings, device: torch.device, pool: torch.T
     return min(_seconds_per_call(call, device, settings.shape_seconds / 3) for _ in range(3))
 
 
-def _seconds_per_call(call, device: torch.device, seconds: float) -> float:
-    """Mean seconds of `call()` repeated for about `seconds` (at least once)."""
+def _seconds_per_call(call, device: torch.device, seconds: float, at_least: int = 1) -> float:
+    """Mean seconds of `call()` repeated for about `seconds` (at least `at_least` times); on a
+    GPU the host waits for the device every 10 calls, so the time measured is the device's."""
     sync_device(device)
     count, start = 0, time.perf_counter()
-    while count < 1 or time.perf_counter() - start < seconds:
+    while count < at_least or time.perf_counter() - start < seconds:
         call()
         count += 1
+        if device.type == "cuda" and count % 10 == 0:
+            sync_device(device)
     sync_device(device)
     return (time.perf_counter() - start) / count
 
@@ -121,15 +124,7 @@ def _matmul_rate(settings: Settings, device: torch.device, dtype: torch.dtype) -
         a @ b  # warm-up (and: can this device multiply this dtype?)
     except RuntimeError:
         return None
-    sync_device(device)
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < settings.matmul_seconds or count < 2:
-        a @ b
-        count += 1
-        if device.type == "cuda" and count % 10 == 0:
-            sync_device(device)
-    sync_device(device)
-    return 2 * n**3 * count / (time.perf_counter() - start)
+    return 2 * n**3 / _seconds_per_call(lambda: a @ b, device, settings.matmul_seconds, at_least=2)
 
 
 def optimizer_rate(settings: Settings, device: torch.device) -> float:
