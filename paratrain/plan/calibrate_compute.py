@@ -131,26 +131,23 @@ def optimizer_rate(settings: Settings, device: torch.device) -> float:
     """Elements per second torch.optim.Adam (its default implementation for the device:
     single-tensor on the CPU, foreach on CUDA) steps: eight parameters of 2^20 elements, as a
     model's many tensors."""
-    params = [torch.nn.Parameter(torch.randn(2**20, device=device)) for _ in range(8)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    adam = torch.optim.Adam(params, lr=1e-3)
-    return 8 * 2**20 / _seconds(adam.step, settings, device)
+    return _adam_rate(settings, device, 2**20, 8)
 
 
 def optimizer_table(settings: Settings, device: torch.device) -> list[list[float]]:
     """[elements per tensor, elements/s] of the same Adam at each of `Settings.optimizer_sizes`,
     over enough tensors of that size to make 2^23 elements: one large tensor (ZeRO's flat
     shards) steps slower than many that each fit in cache (bench MLP's 4M-element weights)."""
-    table = []
-    for size in settings.optimizer_sizes:
-        count = max(1, 2**23 // size)
-        params = [torch.nn.Parameter(torch.randn(size, device=device)) for _ in range(count)]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        adam = torch.optim.Adam(params, lr=1e-3)
-        table.append([size, size * count / _seconds(adam.step, settings, device)])
-    return table
+    return [[size, _adam_rate(settings, device, size, max(1, 2**23 // size))] for size in settings.optimizer_sizes]
+
+
+def _adam_rate(settings: Settings, device: torch.device, size: int, count: int) -> float:
+    """Elements per second Adam steps `count` parameters of `size` elements at."""
+    params = [torch.nn.Parameter(torch.randn(size, device=device)) for _ in range(count)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adam = torch.optim.Adam(params, lr=1e-3)
+    return size * count / _seconds(adam.step, settings, device)
 
 
 def elementwise_rate(settings: Settings, device: torch.device) -> float:
