@@ -54,9 +54,9 @@ def test_the_model_facts_print_and_the_json_follows_the_schema(capsys):
     got = json.loads(out)
     facts = model_facts(resolve("models:MLP"), 4, activation_checkpointing=None)
     assert got["schema"] == "paratrain.plan/0" and got["calibrated"] is None
-    assert set(got) == {"schema", "model", "cluster", "compute_seconds", "calibrated", "nodes", "strategies",
-                        "recommended", "fit_advice"}
-    assert got["strategies"] is None and got["recommended"] is None and got["nodes"] is None  # no --gpus
+    assert set(got) == {"schema", "model", "cluster", "compute_seconds", "calibrated", "accumulate", "nodes",
+                        "strategies", "recommended", "fit_advice"}
+    assert got["accumulate"] == 1 and got["strategies"] is None and got["recommended"] is None and got["nodes"] is None  # no --gpus
     model = got["model"]
     assert [tuple(shape[:5]) for shape, _ in model["step"]["matmuls"]] == \
         [tuple(shape[:5]) for shape, _ in facts.step.matmuls]
@@ -119,6 +119,9 @@ def test_a_transformers_preset_with_checkpointing(capsys):
      "16 devices on 1 node(s) is 16 per node, but a node of h100-8x holds 8: give --nodes 2 or more"),
     (["models:MLP", "--gpus", "6", "--nodes", "0"], "--nodes 0 cannot hold 6 devices evenly"),
     (["models:MLP", "--nodes", "2"], "--nodes 2 spreads the devices of --gpus over nodes: give --gpus N too"),
+    (["models:MLP", "--batch", "10", "--accumulate", "4"],
+     "--accumulate 4 splits --batch 10 into micro-batches: give a --batch that is a multiple of it"),
+    (["models:MLP", "--accumulate", "0"], "--accumulate 0 splits --batch 1 into micro-batches"),
     ([], "name a MODEL to plan, or --calibrate OUT.json"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(capsys, argv, says):
@@ -198,6 +201,30 @@ def test_gpus_and_a_cluster_time_each_strategy_and_recommend_the_fastest_that_fi
     assert f"recommended: {best['session']}" in run(capsys, *argv)[1]
     by = {r["label"]: r for r in rows}  # zero3 moves its parameters twice more than ddp: slower, smaller
     assert by["zero3"]["comm_seconds"] > by["ddp"]["comm_seconds"] and by["zero3"]["device_peak"] < by["ddp"]["device_peak"]
+
+
+def test_accumulate_runs_the_batch_as_micro_batches_and_synchronises_once(capsys):
+    """--accumulate 4: the same optimizer step of 16 samples as 4 micro-batches of 4, so a quarter of
+    the activations, the same state, ddp's all-reduce once and zero3's gathers in every one."""
+    base = ("gpt2", "--gpus", "4", "--cluster", "h100-8x", "--batch", "16", "--seq", "128", "--json")
+    one = json.loads(run(capsys, *base)[1])
+    four = json.loads(run(capsys, *base, "--accumulate", "4")[1])
+    assert (one["accumulate"], four["accumulate"]) == (1, 4) and four["model"] == one["model"]
+    by_one = {r["strategy"]: r for r in one["strategies"] if r["strategy"] != "pipeline"}
+    by_four = {r["strategy"]: r for r in four["strategies"] if r["strategy"] != "pipeline"}
+    for name, row in by_four.items():
+        was = by_one[name]
+        assert row["session"] == was["session"][:-1] + ", accumulate=4)"
+        assert all(row[k] == was[k] for k in ("params", "grads", "optimizer", "gathered"))
+        assert abs(4 * row["activations"] - was["activations"]) < 16  # floors of 1/16 and 1/4
+        assert row["compute_seconds"] == pytest.approx(was["compute_seconds"])  # a preset: one flat rate
+        assert row["step_seconds"] >= was["step_seconds"] * 0.999
+    assert by_four["ddp"]["comm_seconds"] == pytest.approx(by_one["ddp"]["comm_seconds"])
+    assert by_four["zero3"]["comm_seconds"] > 2 * by_one["zero3"]["comm_seconds"]
+    for name in ("zero2", "zero3"):  # every full gradient is kept through the window
+        assert by_four[name]["comm_buffers"] > by_one[name]["comm_buffers"]
+    pipelines = [r["label"] for r in four["strategies"] if r["strategy"] == "pipeline"]
+    assert pipelines == ["pipeline 4x4", "pipeline 2x2"]  # micro-batches of a micro-batch of 4
 
 
 def test_a_model_that_fits_nowhere_says_what_would_fit(capsys):

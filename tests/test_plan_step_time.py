@@ -69,6 +69,18 @@ def test_zero3_hides_gathers_behind_the_previous_units_compute():
     assert fast.compute == 9.0 and fast.exposed_comm == pytest.approx(0.0005 + 0.0005 + 0.0005, rel=1e-6)
 
 
+def test_accumulation_synchronises_once_and_zero3_gathers_in_every_micro_batch():
+    micro = st.Compute(1.0, 2.0)
+    last = st.data_parallel(micro, [10**9], [100], Group(2), cluster())  # the 1 s all-reduce, exposed
+    three = st.accumulated(last, st.StepTime(3.0, 0.0), 3)
+    assert (three.compute, three.exposed_comm, three.comm) == (9.0, pytest.approx(1.0), pytest.approx(1.0))
+    mb = 10**6
+    units = st.Compute(3.0, 6.0), [1, 1, 1], [mb] * 3, [mb] * 3, Group(2), cluster()
+    synced, local = st.zero3(*units, scatter=True), st.zero3(*units, scatter=True, sync=False)
+    assert synced.comm - local.comm == pytest.approx(3 * 0.0005)  # the three reduce-scatters, only
+    assert local.comm == pytest.approx(5 * 0.0005)  # gathers: three forward, two backward (not the root)
+
+
 def test_a_pipeline_step_is_m_plus_p_minus_one_slots():
     compute = st.Compute(8.0, 16.0)  # one replica's batch over the whole model
     # 2 stages × 4 micro-batches: a slot is 1 s forward and 2 s backward; no message cost (0 bytes, α = 0)

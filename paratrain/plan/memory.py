@@ -28,14 +28,18 @@ from (the functions named are the ones the strategies themselves call):
   zero2's two largest full gradient buckets (one filling, one reducing); zero3's largest full
   flat gradient (one at a time, stage3.py); hierarchical's phase-1 chunks, every bucket's at
   once. Zero for ddp, zero1 and pipeline, whose buckets are the gradients. p2p receive buffers
-  of a pipeline are activations, not counted here.
+  of a pipeline are activations, not counted here. With gradient accumulation (`accumulate` > 1:
+  the backwards before the last run under no_sync()), zero2 keeps every full bucket and zero3
+  every unit's full flat gradient from the first backward of the window to the reduction of the
+  last, so there they are all of them.
 - gathered: zero3 only, UPPER BOUND: the root unit's full parameters plus the two largest other
   units (the running one and the prefetched one; one without prefetch), in param_dtype.
 - activations: APPROXIMATE: `activation_bytes` (model_probe's StepCount.activation_peak_bytes for
   the global batch: the most its forward and backward hold at once beyond the model's state, the
-  saved activations, their gradients and temporaries) times this rank's share of the batch, 1/N;
-  for a pipeline stage, of its replica's batch, spread evenly over the stages, times the
-  micro-batches in flight (GPipe m, 1F1B min(m, S - s)) over m.
+  saved activations, their gradients and temporaries) times this rank's share of the batch, 1/N,
+  and of that one accumulation micro-batch's, 1/accumulate; for a pipeline stage, of its
+  replica's batch, spread evenly over the stages, times the micro-batches in flight (GPipe m,
+  1F1B min(m, S - s)) over m.
 - host: how much of params + grads + optimizer is in CPU memory (ZeRO's offload).
 - workspace: the optimizer step's temporaries (OptimizerState.workspace: Adam's, two of the
   tensor it steps and the previous one's on the CPU, one of each at once with foreach on CUDA),
@@ -97,7 +101,8 @@ class RankMemory:
 def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: OptimizerState | str = "adam",
             local_world: int | None = None, activation_bytes: int = 0,
             group_of: dict[nn.Parameter, int] | None = None,
-            arrival: list[nn.Parameter] | None = None, foreach: bool = False) -> list[RankMemory]:
+            arrival: list[nn.Parameter] | None = None, foreach: bool = False, accumulate: int = 1
+            ) -> list[RankMemory]:
     """Rank r's bytes at index r, for `model` trained by `strategy` on `world` ranks.
 
     optimizer: an OptimizerState or a name in OPTIMIZERS.
@@ -107,14 +112,17 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     group_of: each trainable parameter's optimizer param group (default: all in one).
     arrival: the order gradients arrive in backward (default: reverse registration).
     foreach: the optimizer steps every tensor at once (torch's default for CUDA tensors).
+    accumulate: micro-batches per optimizer step (Session(accumulate=...)), each 1/accumulate of
+        the batch; all but the last backward run under no_sync().
     """
     if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
         raise ConfigError(f"the planner knows the optimizers {', '.join(OPTIMIZERS)}; got {optimizer!r}")
     state = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
-    if world < 1:
-        raise ConfigError(f"world must be at least 1; got {world}")
+    if world < 1 or accumulate < 1:
+        raise ConfigError(f"world and accumulate must be at least 1; got world {world}, accumulate {accumulate}")
     trainable = [p for p in model.parameters() if p.requires_grad]
-    facts = _Model(model, trainable, group_of or {p: 0 for p in trainable}, state, world, activation_bytes, foreach)
+    facts = _Model(model, trainable, group_of or {p: 0 for p in trainable}, state, world, activation_bytes, foreach,
+                   accumulate)
     if isinstance(strategy, Pipeline):
         return _pipeline(facts, strategy)
     if isinstance(strategy, ZeRO):
@@ -126,7 +134,7 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     elif isinstance(strategy, Single):
         if world != 1:
             raise ConfigError(f"strategy 'single' runs one process; got world {world}")
-        one = _plain(state, list(model.parameters()), activation_bytes, foreach)
+        one = _plain(state, list(model.parameters()), facts.activations, foreach)
     else:
         raise ConfigError(f"no memory model for strategy {strategy.name!r}")
     return [one] * world
@@ -141,6 +149,12 @@ class _Model:
     world: int
     activation_bytes: int
     foreach: bool = False
+    accumulate: int = 1
+
+    @property
+    def activations(self) -> int:
+        """A rank's share of one accumulation micro-batch's transient peak."""
+        return self.activation_bytes // (self.world * self.accumulate)
 
     @property
     def frozen_bytes(self) -> int:
@@ -188,7 +202,7 @@ def _data_parallel(m: _Model, strategy: DDP, local_world: int, arrival) -> RankM
     plain = _plain(m.state, list(m.module.parameters()), 0, m.foreach)
     chunks = sum(s // reduction.pad_to for s in sizes) if isinstance(strategy, Hierarchical) else 0
     return RankMemory(params=plain.params, grads=sum(sizes), optimizer=plain.optimizer, comm_buffers=chunks,
-                      activations=m.activation_bytes // m.world, workspace=plain.workspace)
+                      activations=m.activations, workspace=plain.workspace)
 
 
 def meta_like(params: list[nn.Parameter], dtype: torch.dtype | None) -> dict[nn.Parameter, nn.Parameter]:
@@ -220,15 +234,16 @@ def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
     grads = (compute if strategy.stage == 1 else slices) + master_bytes
     mine = [(n // m.world, mt if masters else dt) for n, dt, mt in flats]
     optimizer = m.state.bytes(mine)
-    largest = sorted((n * dt.itemsize for n, dt, _ in flats), reverse=True)[:2]
+    largest = sorted((n * dt.itemsize for n, dt, _ in flats), reverse=True)[:2 if m.accumulate == 1 else None]
     return RankMemory(params=m.frozen_bytes + compute + master_bytes, grads=grads, optimizer=optimizer,
                       comm_buffers=sum(largest) if strategy.stage == 2 else 0,
-                      activations=m.activation_bytes // m.world,
+                      activations=m.activations,
                       host=2 * master_bytes + optimizer if strategy.offload else 0,
                       workspace=0 if strategy.offload else m.state.workspace(mine, m.foreach))
 
 
-def zero3_flats(model: nn.Module, strategy: ZeRO, group_of: dict[nn.Parameter, int]) -> dict[str, list[list[nn.Parameter]]]:
+def zero3_flats(model: nn.Module, strategy: ZeRO, group_of: dict[nn.Parameter, int]
+                ) -> dict[str, list[list[nn.Parameter]]]:
     """Each ZeRO-3 unit's flat shards' parameters (stage3.py), the wrap policy's units in model
     order, then the root ("")."""
     return flats_by_unit(params_by_unit(owners_by_param(model), strategy.wrap_policy.select(model)), group_of)
@@ -252,10 +267,11 @@ def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
     shard_bytes = sum(n * dtype.itemsize for n, dtype in shards)
     optimizer = m.state.bytes(shards)
     others = sorted((sum(b) for u, b in full.items() if u), reverse=True)[:2 if strategy.prefetch else 1]
+    flat_grads = [b for bs in full.values() for b in bs]  # one at a time; all of them while accumulating
     return RankMemory(params=m.frozen_bytes + shard_bytes, grads=shard_bytes, optimizer=optimizer,
-                      comm_buffers=max((b for bs in full.values() for b in bs), default=0),
+                      comm_buffers=max(flat_grads, default=0) if m.accumulate == 1 else sum(flat_grads),
                       gathered=sum(full.get("", [])) + sum(others),
-                      activations=m.activation_bytes // m.world,
+                      activations=m.activations,
                       host=2 * shard_bytes + optimizer if strategy.offload else 0,
                       workspace=0 if strategy.offload else m.state.workspace(shards, m.foreach))
 
@@ -275,7 +291,7 @@ def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
         grads = sum(buffer_numel(b, 1) * b[0].dtype.itemsize for b in stage_layout(trainable))
         micro = strategy.microbatches
         in_flight = micro if strategy.schedule == "gpipe" else min(micro, strategy.stages - s)
-        activations = m.activation_bytes * in_flight // (replicas * strategy.stages * micro)
+        activations = m.activation_bytes * in_flight // (replicas * strategy.stages * micro * m.accumulate)
         plain = _plain(m.state, params, activations, m.foreach)
         stages.append(RankMemory(params=plain.params, grads=grads, optimizer=plain.optimizer,
                                  activations=activations, workspace=plain.workspace))

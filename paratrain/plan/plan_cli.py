@@ -4,6 +4,7 @@
     paratrain plan gpt2-xl --batch 8 --seq 1024 --precision bf16 [--cluster h100-8x] [--gpus 8] [--json]
     paratrain plan gpt2-xl --gpus 8 --cluster h100-8x --batch 8 --seq 1024 --png scaling.png
     paratrain plan gpt2-xl --gpus 8 --nodes 2 --cluster h100-8x --batch 8 --seq 1024
+    paratrain plan gpt2-xl --gpus 8 --cluster h100-8x --batch 64 --accumulate 4 --seq 1024
     paratrain plan mypackage.models:build --batch 32
     paratrain plan --calibrate cpu.json
 
@@ -16,6 +17,8 @@ the leading strategies' throughput and memory per device from 1 to 1,024 devices
 gpus_per_node; default: the fewest whole nodes of the cluster's size): which collectives leave a
 node (comm_model.py), hierarchical's node groups, and the node size --png scales with. The
 pt.Session(...) line does not change: a session reads the node layout from its launcher.
+`--accumulate K` plans gradient accumulation (Session(accumulate=K)): `--batch` stays the
+optimizer step's, run as K micro-batches of batch/K (recommend.py).
 Bad input (an unknown model, preset or file, a factory that raises) is one line on stderr and
 exit status 2, as everywhere in the CLI.
 
@@ -47,10 +50,12 @@ exit status 2, as everywhere in the CLI.
                       one device at the cluster's achievable rate for the precision (no
                       communication, no overlap: a lower bound)
     calibrated        the file --calibrate wrote, or null
+    accumulate        micro-batches per optimizer step (--accumulate; 1 without)
     nodes             null without --gpus; else how many nodes the devices are spread over, evenly
                       (--nodes, or the fewest of the cluster's size; 1 without --cluster)
     strategies        null without --gpus; else one row per strategy (its default settings, the
-                      --optimizer's state, --batch split over the ranks), for its fullest rank:
+                      --optimizer's state, --batch split over the ranks and --accumulate's
+                      micro-batches), for its fullest rank:
       strategy, label, rank  the strategy's name; as the table shows it (a pipeline: "pipeline
                       SxM", stages × micro-batches); the rank whose device_peak is largest
       params, grads, optimizer   exact bytes at rest (after a step, before zero_grad)
@@ -107,7 +112,9 @@ def add_plan_parser(commands) -> None:
         "(no memory, nothing downloaded), with and without activation checkpointing.")
     plan.add_argument("model", nargs="?", metavar="MODEL",
                       help=f"package.module:factory, a transformers config.json, or one of {', '.join(MODELS)}")
-    plan.add_argument("--batch", type=int, default=1, help="samples per step (default: 1)")
+    plan.add_argument("--batch", type=int, default=1, help="samples per optimizer step, over every rank (default: 1)")
+    plan.add_argument("--accumulate", type=int, default=1, metavar="K",
+                      help="micro-batches per optimizer step, each --batch / K samples (default: 1)")
     plan.add_argument("--seq", type=int, help="tokens per sample (default: the config's context length)")
     plan.add_argument("--precision", choices=("32", "bf16", "fp16"), default="32",
                       help="autocast, as Session(precision=...) (default: 32)")
@@ -134,6 +141,9 @@ def plan(args: argparse.Namespace) -> None:
         raise ConfigError("name a MODEL to plan, or --calibrate OUT.json to measure this machine")
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus must be at least 1; got {args.gpus}")
+    if args.accumulate < 1 or args.batch % args.accumulate:
+        raise ConfigError(f"--accumulate {args.accumulate} splits --batch {args.batch} into micro-batches: give a "
+                          f"--batch that is a multiple of it (or --accumulate 1)")
     if args.nodes is not None and args.gpus is None:
         raise ConfigError(f"--nodes {args.nodes} spreads the devices of --gpus over nodes: give --gpus N too")
     calibrated = None
@@ -151,11 +161,13 @@ def plan(args: argparse.Namespace) -> None:
     timed = rows is not None and cluster is not None
     best = recommend(rows) if timed else None
     advice = None if best is not None or not timed else \
-        smallest_fit(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer)
+        smallest_fit(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer,
+                     accumulate=args.accumulate)
     if args.png:
         _draw_scaling(args, facts, cluster, rows, nodes)
     if args.json:
-        print(json.dumps({**to_json(facts, cluster, args.calibrate), "nodes": nodes, "strategies": rows,
+        print(json.dumps({**to_json(facts, cluster, args.calibrate), "accumulate": args.accumulate,
+                          "nodes": nodes, "strategies": rows,
                           "recommended": best["session"] if best else None, "fit_advice": advice}, indent=2))
         return
     if calibrated is not None:
@@ -181,7 +193,7 @@ def _draw_scaling(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster 
     per_device = max(1, facts.batch // args.gpus)
     per_node = args.gpus // nodes if args.nodes else cluster.gpus_per_node
     points = scaling(resolve(args.model), facts, cluster, optimizer=args.optimizer, per_device=per_device,
-                     per_node=per_node)
+                     per_node=per_node, accumulate=args.accumulate)
     where = f"{cluster.name}, {per_node} per node" if args.nodes else cluster.name
     draw(points, leaders(rows), args.png, per="token" if facts.seq else "sample", device_memory=cluster.device_memory,
          title=f"{facts.name} on {where}, {per_device} sample(s) per device, precision {facts.precision}")
@@ -191,9 +203,10 @@ def _memory(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None
     """The table's rows: the model built again on the meta device, the step's activations split
     over the ranks, the ranks spread evenly over `nodes`; with a cluster, each row timed too (recommend.py)."""
     if cluster is not None:
-        return plan_rows(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer, nodes=nodes)
+        return plan_rows(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer, nodes=nodes,
+                         accumulate=args.accumulate)
     return memory_rows(resolve(args.model), gpus=args.gpus, optimizer=args.optimizer, gpus_per_node=args.gpus // nodes,
-                       activation_bytes=facts.step.activation_peak_bytes)
+                       activation_bytes=facts.step.activation_peak_bytes, accumulate=args.accumulate)
 
 
 def to_json(facts: ModelFacts | None, cluster: Cluster | None, calibrated: str | None) -> dict:

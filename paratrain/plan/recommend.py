@@ -7,7 +7,10 @@ is within the cluster's device memory; one that does not fit is tried again with
 checkpointing (model_probe's second count: fewer activations, the recompute's FLOPs). The
 recommendation is the fitting row with the most tokens (or samples) per second per device,
 written as the `pt.Session(...)` line that runs it. MFU is the model's FLOPs per step (the
-forward and backward, not the recompute) over the step time times the devices' peak rate.
+forward and backward, not the recompute) over the step time times the devices' peak rate. With
+gradient accumulation (`accumulate` k) the batch is still the optimizer step's: each of its k
+micro-batches is 1/k of it, which is what the activations, the matmul shapes and a pipeline's
+micro-batches follow; the gradients are synchronised once (step_time.accumulated).
 """
 
 from __future__ import annotations
@@ -32,19 +35,20 @@ FLOPS_DTYPE = {"32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # the cluster's ra
 
 
 def plan_rows(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus: int, optimizer: str,
-              nodes: int | None = None) -> list[dict]:
+              nodes: int | None = None, accumulate: int = 1) -> list[dict]:
     """One row per strategy (checkpointed where it fits only so): memory, time, throughput, fit;
-    the devices spread evenly over `nodes` (default: nodes_for's)."""
+    the devices spread evenly over `nodes` (default: nodes_for's); `accumulate` micro-batches
+    per optimizer step."""
     nodes = nodes_for(gpus, cluster, nodes)
-    chosen = strategies(gpus, facts.batch)
-    plain = _rows(source, facts, facts.step, cluster, chosen, gpus=gpus, nodes=nodes, optimizer=optimizer)
+    chosen = strategies(gpus, facts.batch // accumulate)
+    how = {"gpus": gpus, "nodes": nodes, "optimizer": optimizer, "accumulate": accumulate}
+    plain = _rows(source, facts, facts.step, cluster, chosen, **how)
     if facts.checkpointed is None:
         return plain
     again = [s for s, row in zip(chosen, plain) if "error" not in row and not row["fits"]]
     if not again:
         return plain
-    checkpointed = iter(_rows(source, facts, facts.checkpointed, cluster, again, gpus=gpus, nodes=nodes,
-                              optimizer=optimizer))
+    checkpointed = iter(_rows(source, facts, facts.checkpointed, cluster, again, **how))
     return [next(checkpointed) if s in again else row for s, row in zip(chosen, plain)]
 
 
@@ -70,33 +74,40 @@ def spread(gpus: int, per_node: int) -> int:
 
 
 def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Cluster, chosen: list[Strategy],
-          *, gpus: int, nodes: int, optimizer: str) -> list[dict]:
+          *, gpus: int, nodes: int, optimizer: str, accumulate: int) -> list[dict]:
     memory = memory_rows(source, gpus=gpus, gpus_per_node=gpus // nodes, optimizer=optimizer,
                          activation_bytes=step.activation_peak_bytes, chosen=chosen,
-                         foreach=cluster.device == "cuda")
+                         foreach=cluster.device == "cuda", accumulate=accumulate)
     out = []
     for strategy, row in zip(chosen, memory):
         if "error" in row:
             out.append(row)
             continue
-        seconds = predict_time(source, strategy, step, cluster, gpus=gpus, nodes=nodes, facts=facts)
+        seconds = predict_time(source, strategy, step, cluster, gpus=gpus, nodes=nodes, facts=facts,
+                               accumulate=accumulate)
         out.append({**row, "activation_checkpointing": bool(step.checkpointed),
-                    "session": session_line(strategy, step, facts.precision),
+                    "session": session_line(strategy, step, facts.precision, accumulate),
                     "fits": row["device_peak"] <= cluster.device_memory, **_speed(seconds, facts, cluster, gpus)})
     return out
 
 
 def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, cluster: Cluster, *, gpus: int, nodes: int,
-                 facts: ModelFacts) -> step_time.StepTime:
+                 facts: ModelFacts, accumulate: int = 1) -> step_time.StepTime:
     """`strategy`'s step on `gpus` devices spread evenly over `nodes` nodes of `cluster` (step_time.py),
-    the optimizer step included."""
+    the optimizer step included; `accumulate` micro-batches of the batch per step."""
     at_once = 1 / gpus if not isinstance(strategy, Pipeline) else strategy.stages / gpus / strategy.microbatches
+    at_once /= accumulate
     compute = step_time.Compute.of(step.flops_forward, step.flops_backward, cluster, FLOPS_DTYPE[facts.precision],
                                    world=gpus, nodes=nodes, activation_bytes=step.activation_bytes,
                                    matmuls=step.matmuls, traffic=step.traffic, fraction=at_once)
     model = source.build()
     sent = traffic(model, strategy, world=gpus, local_world=gpus // nodes)
-    seconds = _collectives(strategy, compute, sent, cluster, gpus=gpus, nodes=nodes, step=step)
+    how = {"sent": sent, "cluster": cluster, "gpus": gpus, "nodes": nodes, "step": step}
+    micro = compute.share(1 / accumulate)  # one micro-batch of the batch on one device
+    seconds = _collectives(strategy, micro, sync=True, accumulate=accumulate, **how)
+    if accumulate > 1:
+        local = _collectives(strategy, micro, sync=False, accumulate=accumulate, **how)
+        seconds = step_time.accumulated(seconds, local, accumulate)
     stepped = sum(n for n, _ in sent.buckets) if sent.buckets else facts.trainable_params
     tensors = [p.numel() for p in model.parameters() if p.requires_grad]
     if isinstance(strategy, ZeRO):
@@ -108,21 +119,25 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
     return dataclasses.replace(seconds, optimizer=optimizer)
 
 
-def _collectives(strategy: Strategy, compute: step_time.Compute, sent, cluster: Cluster, *, gpus: int, nodes: int,
-                 step: StepCount) -> step_time.StepTime:
+def _collectives(strategy: Strategy, compute: step_time.Compute, *, sent, cluster: Cluster, gpus: int, nodes: int,
+                 step: StepCount, sync: bool, accumulate: int) -> step_time.StepTime:
+    """One backward's (micro-batch's) time: `compute` is its work on one device, `sync` False
+    under no_sync() (the first accumulate − 1 micro-batches)."""
     elements, sizes = [n for n, _ in sent.buckets], [b for _, b in sent.buckets]
     group = Group(gpus, nodes)
     if isinstance(strategy, Pipeline):
         replicas = gpus // strategy.stages
-        cut = max(step.block_output_bytes.values(), default=0) // replicas
+        cut = max(step.block_output_bytes.values(), default=0) // (replicas * accumulate)
         return step_time.pipeline(compute.share(1 / replicas), stages=strategy.stages,
                                   microbatches=strategy.microbatches, cut_bytes=cut,
-                                  replicas_group=Group(replicas), stage_bucket_bytes=sizes,
+                                  replicas_group=Group(replicas if sync else 1), stage_bucket_bytes=sizes,
                                   stage_bucket_elements=elements, cluster=cluster, same_node=nodes == 1)
     share = compute.share(1 / gpus)
     scatter = cluster.backend != "gloo"  # zero/collectives.py: what measured faster on each backend
     if isinstance(strategy, ZeRO) and strategy.stage == 3:
-        return step_time.zero3(share, elements, sizes, sizes, group, cluster, scatter=scatter)
+        return step_time.zero3(share, elements, sizes, sizes, group, cluster, scatter=scatter, sync=sync)
+    if not sync:  # the buckets only accumulate
+        return step_time.StepTime(share.forward + share.backward, 0.0)
     if isinstance(strategy, ZeRO):
         return step_time.zero12(share, sizes, elements, sent.gathers, group, cluster, scatter=scatter)
     if isinstance(strategy, DDP):
@@ -140,15 +155,17 @@ def _speed(seconds: step_time.StepTime, facts: ModelFacts, cluster: Cluster, gpu
             "mfu": model_flops / (seconds.total * gpus * peak)}
 
 
-def session_line(strategy: Strategy, step: StepCount, precision: str = "32") -> str:
+def session_line(strategy: Strategy, step: StepCount, precision: str = "32", accumulate: int = 1) -> str:
     """The `pt.Session(...)` that runs `strategy` as planned."""
     if isinstance(strategy, Pipeline):
-        name = f"pt.Pipeline(stages={strategy.stages}, schedule={strategy.schedule!r}, microbatches={strategy.microbatches})"
+        name = (f"pt.Pipeline(stages={strategy.stages}, schedule={strategy.schedule!r}, "
+                f"microbatches={strategy.microbatches})")
     else:
         name = repr(strategy.name)
     ac = ", activation_checkpointing=\"auto\"" if step.checkpointed else ""
     precision = f", precision={precision!r}" if precision != "32" else ""
-    return f"pt.Session({name}{precision}{ac})"
+    accumulated = f", accumulate={accumulate}" if accumulate > 1 else ""
+    return f"pt.Session({name}{precision}{accumulated}{ac})"
 
 
 def recommend(rows: list[dict]) -> dict | None:
@@ -183,7 +200,8 @@ def _label(row: dict) -> str:
     return row["label"] + (" +ckpt" if row["activation_checkpointing"] else "")
 
 
-def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus: int, optimizer: str) -> str:
+def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus: int, optimizer: str,
+                 accumulate: int = 1) -> str:
     """What would make the model fit when no strategy does: more devices, offload, a smaller batch."""
     step = facts.checkpointed or facts.step
     ac = " with activation checkpointing" if facts.checkpointed else ""
@@ -191,7 +209,8 @@ def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gp
 
     def peak(n: int, strategy: Strategy, activations: int) -> int:
         row = memory_rows(source, gpus=n, gpus_per_node=min(n, cluster.gpus_per_node), optimizer=optimizer,
-                          activation_bytes=activations, chosen=[strategy], foreach=cluster.device == "cuda")[0]
+                          activation_bytes=activations, chosen=[strategy], foreach=cluster.device == "cuda",
+                          accumulate=accumulate)[0]
         return row["device_peak"] if "error" not in row else 1 << 62
 
     ways = []
@@ -203,7 +222,8 @@ def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gp
         ways.append(f"zero3 with offload{ac} on {gpus}")
     fixed = peak(gpus, zero3, 0)
     per_sample = step.activation_peak_bytes / facts.batch
-    if fixed < cluster.device_memory and per_sample and (batch := int((cluster.device_memory - fixed) / per_sample * gpus)):
+    if fixed < cluster.device_memory and per_sample and (
+            batch := int((cluster.device_memory - fixed) / per_sample * gpus * accumulate)):
         ways.append(f"a batch of at most {min(batch, facts.batch - 1)} under zero3{ac} on {gpus}")
     if not ways:
         return "nothing up to 1,024 devices fits it"

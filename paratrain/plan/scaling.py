@@ -25,12 +25,13 @@ COUNTS = tuple(2**k for k in range(11))  # 1 … 1,024 devices
 
 
 def scaling(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, optimizer: str, per_device: int,
-            counts: tuple[int, ...] = COUNTS, per_node: int | None = None) -> dict[int, list[dict]]:
+            counts: tuple[int, ...] = COUNTS, per_node: int | None = None, accumulate: int = 1
+            ) -> dict[int, list[dict]]:
     """The rows plan_rows gives at each device count, `per_device` samples on each, at most
     `per_node` devices on a node (default: the cluster's gpus_per_node)."""
     per_node = per_node or cluster.gpus_per_node
     return {n: plan_rows(source, at_batch(facts, per_device * n), cluster, gpus=n, optimizer=optimizer,
-                         nodes=spread(n, per_node)) for n in counts}
+                         nodes=spread(n, per_node), accumulate=accumulate) for n in counts}
 
 
 def at_batch(facts: ModelFacts, batch: int) -> ModelFacts:

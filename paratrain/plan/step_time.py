@@ -32,6 +32,10 @@ rank (c10d runs a group's collectives in the order issued). How each overlaps wi
         reduce-scatters its gradients after its backward, on the same queue. A unit's compute is
         its share of the parameters' FLOPs; the root unit runs first and last (its parameters
         are the embedding and head). A two-resource schedule (queue and compute) gives the end.
+    gradient accumulation (accumulate=k): k micro-batches of 1/k of the batch each; the first
+        k − 1 run under no_sync() and only accumulate (zero3 still gathers its units in each
+        forward and backward; a pipeline still sends its cuts), the last synchronises as above
+        (`accumulated`). The optimizer steps once.
     pipeline (GPipe and 1F1B alike, Narayanan et al., SC 2021, §2.2): m micro-batches over p
         stages take (m + p − 1) slots of one micro-batch's forward and backward on one stage,
         plus a send and a receive of the cut's activation (forward) and its gradient (backward)
@@ -127,6 +131,14 @@ def optimizer_seconds(elements: int, cluster: Cluster, *, world: int, nodes: int
     return seconds * elements / sum(tensors) * shared
 
 
+def accumulated(last: StepTime, local: StepTime, k: int) -> StepTime:
+    """An optimizer step of k micro-batches: k − 1 `local` ones (no gradient synchronisation)
+    and the `last`, which synchronises."""
+    return StepTime(last.compute + (k - 1) * local.compute, last.exposed_comm + (k - 1) * local.exposed_comm,
+                    bubble=last.bubble + (k - 1) * local.bubble, comm=last.comm + (k - 1) * local.comm,
+                    optimizer=last.optimizer)
+
+
 def bucket_overlap(backward: float, bucket_elements: list[int], reduce_times: list[float]) -> float:
     """Seconds after the backward until the last bucket is reduced (module docstring)."""
     total, done, end = sum(bucket_elements) or 1, 0, 0.0
@@ -183,8 +195,10 @@ def _gather_from_owners(nbytes: float, group: Group, cluster: Cluster, *, all_ga
 
 
 def zero3(compute: Compute, unit_elements: list[int], unit_bytes: list[int], grad_bytes: list[int],
-          group: Group, cluster: Cluster, *, scatter: bool, reshard_after_forward: bool = True) -> StepTime:
-    """zero3: units in forward order, the root first (module docstring)."""
+          group: Group, cluster: Cluster, *, scatter: bool, reshard_after_forward: bool = True,
+          sync: bool = True) -> StepTime:
+    """zero3: units in forward order, the root first (module docstring); `sync` False: a
+    backward under no_sync(), which gathers but reduces nothing."""
     total = sum(unit_elements) or 1
     forward = [compute.forward * e / total for e in unit_elements]
     backward = [compute.backward * e / total for e in reversed(unit_elements)]
@@ -192,7 +206,7 @@ def zero3(compute: Compute, unit_elements: list[int], unit_bytes: list[int], gra
         return StepTime(compute.forward + compute.backward, 0.0)
     gather = [comm_model.all_gather(b, group, cluster) for b in unit_bytes]
     reduce = comm_model.reduce_scatter if scatter else comm_model.all_reduce
-    scatter_times = [reduce(b, group, cluster) for b in reversed(grad_bytes)]
+    scatter_times = [reduce(b, group, cluster) for b in reversed(grad_bytes)] if sync else None
     regather = list(reversed(gather))
     if not reshard_after_forward:
         regather = [0.0] * len(gather)
@@ -200,7 +214,7 @@ def zero3(compute: Compute, unit_elements: list[int], unit_bytes: list[int], gra
         regather[-1] = 0.0  # the root (first of forward, last of backward) stays gathered: stage3.py
     end = prefetch_schedule(forward, gather) + prefetch_schedule(backward, regather, scatter_times)
     busy = compute.forward + compute.backward
-    comm = sum(gather) + sum(regather) + sum(scatter_times)
+    comm = sum(gather) + sum(regather) + sum(scatter_times or [])
     return StepTime(busy, max(0.0, end - busy), comm=comm)
 
 
