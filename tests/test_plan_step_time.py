@@ -43,6 +43,13 @@ def test_ranks_beyond_a_nodes_devices_compute_slower():
     assert st.Compute.of(1e12, 2e12, hand, "fp32", world=4, nodes=2) == st.Compute(2.0, 4.0)
 
 
+def test_on_a_cpu_every_collective_is_exposed_and_ranks_sharing_a_core_communicate_slower():
+    hidden = st.StepTime(3.0, 0.25, comm=1.0)  # 0.75 s of the 1 s hidden behind the backward
+    assert st.on_cores(hidden, 1.0) == st.StepTime(3.0, 1.0, comm=1.0)
+    assert st.on_cores(hidden, 2.0) == st.StepTime(3.0, 2.0, comm=2.0)  # four ranks on two cores
+    assert st.sharing(cluster(gpus_per_node=2), world=4) == 2.0 and st.sharing(cluster(), world=4) == 1.0
+
+
 def test_ddp_at_world_one_communicates_nothing_and_at_two_all_reduces_each_bucket():
     compute = st.Compute(1.0, 2.0)
     alone = st.data_parallel(compute, [10**9], [100], Group(1), cluster())

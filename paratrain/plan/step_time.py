@@ -42,16 +42,16 @@ rank (c10d runs a group's collectives in the order issued). How each overlaps wi
         per slot; the bubble is the (p − 1) slots. Replicas of a stage all-reduce its gradients
         after the last micro-batch's backward, which hides a slot's backward of it.
 
-On a CPU cluster nothing overlaps: gloo reduces on the cores that compute, so every collective
-is exposed (recommend.predict_time). What it leaves out: kernel launch and Python overhead,
-compute slowed by communication sharing memory bandwidth, ranks sharing cores beyond the compute
-(a CPU node running more ranks than cores also slows their collectives), and imbalance between
-stages.
+On a CPU cluster nothing overlaps: gloo reduces and copies on the cores that compute, so every
+collective is exposed, and a node running more ranks than cores runs each collective that many
+times slower, as it does the compute (`on_cores`, from recommend.predict_time). What it leaves
+out: kernel launch and Python overhead, compute slowed by communication sharing memory
+bandwidth, and imbalance between stages.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from paratrain.plan import comm_model
 from paratrain.plan.cluster import Cluster
@@ -115,6 +115,13 @@ class Compute:
 def sharing(cluster: Cluster, *, world: int, nodes: int = 1) -> float:
     """How many ranks share one device: more than 1 when a node runs more ranks than it has."""
     return max(1.0, world / nodes / cluster.gpus_per_node)
+
+
+def on_cores(seconds: StepTime, shared: float) -> StepTime:
+    """`seconds` on a CPU cluster whose ranks run `shared` to a core (sharing): every collective
+    exposed, and each `shared` times slower."""
+    comm = seconds.comm * shared
+    return replace(seconds, comm=comm, exposed_comm=max(seconds.exposed_comm * shared, comm))
 
 
 def optimizer_seconds(elements: int, cluster: Cluster, *, world: int, nodes: int = 1,
