@@ -245,6 +245,14 @@ def peak_rss_mb() -> float:
     return _status_mb("VmHWM")
 
 
+def file_rss_mb() -> float:
+    """Resident pages that files back (the libraries' code) or shared memory: not tensors. They
+    grow as a run first executes each kernel: the bench GPT's first step paged in ~25 MiB of
+    libtorch. Once in, they stay, so VmHWM minus this figure at the end of a run is at most the
+    anonymous memory's peak, and short of it only by pages first read after that peak."""
+    return _status_mb("RssFile") + _status_mb("RssShmem")
+
+
 # -- output -------------------------------------------------------------------------------------
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:

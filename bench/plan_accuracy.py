@@ -10,11 +10,14 @@ on gloo, one thread per rank, through `pt.Session(strategy).train_step`, as a us
 ZeRO-3's units are the models' blocks (bench/zero.py's); the pipeline has 2 stages (the GPT cut at
 `blocks.layers.4`, bench/pipeline.py's), 4 micro-batches, replicas beyond 2 ranks.
 
-Measured, per case: the step time (the slowest rank's, median of `--steps` after `--warmup`), and
-in a job of its own, each rank's peak memory over 3 steps: VmHWM after the steps minus VmRSS
-before the model was built (the process's high-water mark, reset there), with glibc's mmap
-threshold fixed so that freed blocks leave RSS (common.py; it slows each step by its page
-faults, hence the separate job); the larger rank's.
+Measured, per case: the step time (the slowest rank's, median of `--steps` after `--warmup`), its
+ranks keeping freed blocks for the next step as `paratrain run` starts them (cpu_malloc.py; the
+calibration's too), and in a job of its own, each rank's peak memory over 3 steps: VmHWM after
+the steps minus VmRSS before the model was built (the process's high-water mark, reset there),
+both less the pages files back (the libraries' code, which a run pages in as it first executes
+each kernel: not tensors; common.file_rss_mb), with glibc's mmap threshold fixed so that freed
+blocks leave RSS (common.py; it slows each step by its page faults, hence the separate job);
+the larger rank's.
 
 Predicted, from the same model built on the meta device: the fullest rank's device peak
 (plan/memory.py, with model_probe's activations for the global batch and the runs' loss) and the step time
@@ -40,7 +43,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, pipeline.py, for the ranks too
 import paratrain as pt  # noqa: E402
-from common import SEQ, add_force, make_batches, make_model, peak_rss_mb, print_table, reset_peak_rss, return_freed_memory_to_os, rss_mb, load_at_start, write_results  # noqa: E402
+from common import SEQ, add_force, file_rss_mb, make_batches, make_model, peak_rss_mb, print_table, reset_peak_rss, return_freed_memory_to_os, rss_mb, load_at_start, write_results  # noqa: E402
+from paratrain.cpu_malloc import keep_freed_blocks  # noqa: E402
 from paratrain.plan.calibrate import Settings, calibrate  # noqa: E402
 from paratrain.plan.calibrate_compute import matmul_rates, optimizer_table  # noqa: E402
 from paratrain.plan.cluster import load_cluster, save_cluster  # noqa: E402
@@ -81,9 +85,11 @@ def _rank(topo, model_name: str, case: str, steps: int, warmup: int, memory: boo
     torch.set_num_threads(1)
     if memory:
         return_freed_memory_to_os()
+    else:
+        keep_freed_blocks()
     batches = make_batches(model_name, GLOBAL_BATCH[model_name], warmup + steps, seed=1)
     reset_peak_rss()
-    base = rss_mb()
+    base = rss_mb() - file_rss_mb()
     session = pt.Session(strategy_of(case, model_name), topology=topo, progress_bar=False)
     model = make_model(model_name)
     model, _ = session.setup(model, torch.optim.Adam(model.parameters(), lr=1e-4))
@@ -94,7 +100,7 @@ def _rank(topo, model_name: str, case: str, steps: int, warmup: int, memory: boo
         session.train_step((x, y), _loss).item()
         if i >= warmup:
             times.append(time.perf_counter() - started)
-    return {"times": times, "peak_mb": peak_rss_mb() - base}
+    return {"times": times, "peak_mb": peak_rss_mb() - file_rss_mb() - base}
 
 
 def _planned_loss(out: torch.Tensor) -> torch.Tensor:
@@ -145,6 +151,7 @@ def cases(args: argparse.Namespace) -> list[tuple[str, str, int]]:
 def main(argv=None) -> None:
     args = _parse_args(argv)
     load = load_at_start(args)
+    keep_freed_blocks()  # machine_speed's timings in this process, as the ranks' and the calibration's
     if args.cluster:
         cluster = load_cluster(args.cluster)
     else:

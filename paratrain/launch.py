@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from paratrain import postmortem, worker
+from paratrain import cpu_malloc, postmortem, worker
 from paratrain.errors import ConfigError
 from paratrain.topology import pick_backend
 
@@ -214,6 +214,7 @@ def export_env(args: argparse.Namespace) -> None:
     os.environ[worker.LAUNCHER_PID] = str(os.getpid())  # the ranks die with this process (worker.py)
     # torchrun would set 1 and print a warning banner; share this node's cores instead
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    cpu_malloc.launch_env(os.environ)  # freed large blocks stay in the heap for the next step (cpu_malloc.py)
 
 
 def torchrun_argv(args: argparse.Namespace) -> list[str]:

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "paratrain"
 # Lower layers never import higher ones (README, "How it is built"). Inside a layer, imports must
 # not form a cycle.
 LAYERS = [
-    {"errors", "flight_recorder", "worker", "hang_report", "postmortem", "flight_hooks"},
+    {"errors", "flight_recorder", "worker", "hang_report", "postmortem", "flight_hooks", "cpu_malloc"},
     {"topology"},
     {"grid"},
     {"comm"},

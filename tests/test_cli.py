@@ -43,7 +43,7 @@ WORKER = textwrap.dedent("""
     total = torch.tensor([float(topo.rank + 1)])
     dist.all_reduce(total)
     seen = dict(rank=topo.rank, world=topo.world_size, node=topo.node_rank, nodes=topo.num_nodes,
-                argv=sys.argv[3:], sum=total.item())
+                argv=sys.argv[3:], sum=total.item(), malloc=os.environ.get("MALLOC_MMAP_THRESHOLD_"))
     with open(os.path.join(out, f"rank{topo.rank}.json"), "w") as f:
         json.dump(seen, f)
     pt.destroy()
@@ -106,7 +106,7 @@ def test_script_runs_on_every_rank_with_its_arguments_unchanged(job):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank, seen in enumerate(results(out, 2)):
         assert seen == dict(rank=rank, world=2, node=0, nodes=1, argv=["--flag", "value", "-n", "5"],
-                            sum=3.0)
+                            sum=3.0, malloc=str(2**30))  # cpu_malloc.py: freed blocks stay for the next step
 
 
 def test_failing_rank_fails_the_job_and_stops_the_others(job):
@@ -134,13 +134,15 @@ def test_rank_missing_a_collective_times_out_instead_of_hanging(job):
     assert_no_worker_left(out, 2)
 
 
-def test_module_form_and_max_restarts(job):
+def test_module_form_and_max_restarts(job, monkeypatch):
     cwd, out = job  # the first attempt exits 1, the restarted group succeeds
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")  # the user's own allocator setting stands
     proc = paratrain("run", "-n", "1", "--max-restarts", "1", "-m", "worker", str(out), "restart",
                      "--epochs", "3", cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "first attempt fails on purpose" in proc.stderr
-    assert results(out, 1) == [dict(rank=0, world=1, node=0, nodes=1, argv=["--epochs", "3"], sum=1.0)]
+    assert results(out, 1) == [dict(rank=0, world=1, node=0, nodes=1, argv=["--epochs", "3"], sum=1.0,
+                                    malloc="131072")]
 
 
 def test_env_as_a_plain_process(tmp_path):

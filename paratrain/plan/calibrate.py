@@ -4,7 +4,9 @@ Phase 1, compute (calibrate_compute.py): square matmuls in fp32, and in bf16 whe
 has it; a table of matmul rates by shape; Adam's rate by tensor size; element-wise work per byte.
 On the CPU, with one thread (a device is one core: the cluster's `gpus_per_node` is the core
 count), and square matmuls with all of them too (`measured["matmul_all_threads"]`). The measured
-rate is the achieved one, so the file's matmul_efficiency is 1.0.
+rate is the achieved one, so the file's matmul_efficiency is 1.0. The process first keeps freed
+blocks for reuse, as the ranks `paratrain run` starts do (cpu_malloc.py): otherwise Adam's
+temporaries are mapped afresh, page by page, a varying part of the time.
 
 Phase 2, collectives: `Settings.world` ranks (testing.run_on_ranks: gloo on the CPU, nccl and one
 GPU each on a CUDA machine) run all-reduce, all-gather, reduce-scatter and broadcast on messages
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm import all_gather_single, reduce_scatter_single
+from paratrain.cpu_malloc import keep_freed_blocks
 from paratrain.errors import ConfigError
 from paratrain.plan.cluster import Cluster, Link
 from paratrain.plan.comm_model import TERMS, Terms
@@ -59,6 +62,7 @@ def calibrate(settings: Settings = Settings(), *, name: str = "calibrated") -> C
         raise ConfigError("calibrating collectives needs 2 ranks, and this machine has one GPU: "
                           "run it where two are, or set the links of a cluster file by hand")
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    keep_freed_blocks()
     threads = torch.get_num_threads()
     extra: dict = {}
     try:
