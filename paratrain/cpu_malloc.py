@@ -6,10 +6,8 @@ above its trim threshold too. A training step allocates the same large tensors e
 Adam's temporaries, the size of each tensor it steps; ZeRO-2's gradient buckets, freed after
 each reduction; the gradients autograd makes after zero_grad(set_to_none=True) — so every step
 pays a page fault per 4 KiB of them, and how many depends on what the process allocated
-before. Measured on the 2-core development machine (fp32, one thread): Adam over one tensor of
-2^24 elements stepped at 165 M elements/s with 32,770 faults a step, and at 248 M with none once
-both thresholds were raised; a ZeRO-2 step of the bench MLP at world 1 took 0.36 s with 66,000
-faults, and 0.28 s without.
+before. `python bench/cpu_malloc.py` measures both ways (README, "Launching"): a ZeRO-2 step
+of the bench MLP at world 1 went from 67,600 page faults to 16, and 0.78 × the time.
 
 Raised to `THRESHOLD`, freed blocks go back to the heap and the next step reuses them: no
 faults, and times that do not depend on the allocation history (which `paratrain plan` relies
