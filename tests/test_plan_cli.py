@@ -1,11 +1,13 @@
 """`paratrain plan` (plan/plan_cli.py) and its calibration (plan/calibrate.py), in this process
 except for the calibration's two ranks."""
 
+import dataclasses
 import json
 import re
 
 import pytest
 
+import paratrain as pt
 from paratrain import cli
 from paratrain.plan import calibrate as cal
 from paratrain.plan.cluster import Link, load_cluster, preset
@@ -13,6 +15,8 @@ from paratrain.plan.comm_model import TERMS, ring_all_reduce_terms
 from paratrain.plan.memory import predict
 from paratrain.plan.model_probe import model_facts
 from paratrain.plan.model_source import resolve
+from paratrain.plan.recommend import predict_time
+from paratrain.plan.step_time import gradient_copy
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -56,7 +60,8 @@ def test_the_model_facts_print_and_the_json_follows_the_schema(capsys):
     assert got["schema"] == "paratrain.plan/0" and got["calibrated"] is None
     assert set(got) == {"schema", "model", "cluster", "compute_seconds", "calibrated", "accumulate", "nodes",
                         "strategies", "recommended", "fit_advice"}
-    assert got["accumulate"] == 1 and got["strategies"] is None and got["recommended"] is None and got["nodes"] is None  # no --gpus
+    assert got["accumulate"] == 1  # no --gpus:
+    assert got["strategies"] is None and got["recommended"] is None and got["nodes"] is None
     model = got["model"]
     assert [tuple(shape[:5]) for shape, _ in model["step"]["matmuls"]] == \
         [tuple(shape[:5]) for shape, _ in facts.step.matmuls]
@@ -310,3 +315,18 @@ def test_png_with_nodes_scales_with_that_node_size():
            for k, points in by.items()}
     assert ddp[4][4]["comm_seconds"] == ddp[8][4]["comm_seconds"]  # one node either way
     assert ddp[4][8]["comm_seconds"] > ddp[8][8]["comm_seconds"]  # 2 nodes of 4 against one of 8
+
+
+def test_ddp_copies_each_gradient_into_its_bucket_once_per_backward():
+    """On a cluster with a traffic rate, ddp's backward at world 1 takes what single's does plus
+    a read and a write of every gradient (its buckets); with accumulate=2, twice."""
+    source = resolve("models:MLP")
+    facts = model_facts(source, 8, activation_checkpointing=None)
+    here = dataclasses.replace(preset("cpu-here"), traffic_rate=2e9)
+    grads = sum(p.numel() * p.element_size() for p in source.build().parameters())
+    single, ddp = (predict_time(source, s, facts.step, here, gpus=1, nodes=1, facts=facts)
+                   for s in (pt.Single(), pt.DDP()))
+    assert ddp.compute - single.compute == pytest.approx(gradient_copy(grads, here, world=1)) and grads > 0
+    twice = predict_time(source, pt.DDP(), facts.step, here, gpus=1, nodes=1, facts=facts, accumulate=2)
+    alone = predict_time(source, pt.Single(), facts.step, here, gpus=1, nodes=1, facts=facts, accumulate=2)
+    assert twice.compute - alone.compute == pytest.approx(2 * gradient_copy(grads, here, world=1))

@@ -3,6 +3,8 @@
 The link is α = 0, β = 1 GB/s unless a case says otherwise, so a message of S bytes costs S ns
 per unit of volume; times are in seconds."""
 
+import dataclasses
+
 import pytest
 
 from paratrain.errors import ConfigError
@@ -48,6 +50,13 @@ def test_on_a_cpu_every_collective_is_exposed_and_ranks_sharing_a_core_communica
     assert st.on_cores(hidden, 1.0) == st.StepTime(3.0, 1.0, comm=1.0)
     assert st.on_cores(hidden, 2.0) == st.StepTime(3.0, 2.0, comm=2.0)  # four ranks on two cores
     assert st.sharing(cluster(gpus_per_node=2), world=4) == 2.0 and st.sharing(cluster(), world=4) == 1.0
+
+
+def test_gradients_copied_into_buckets_take_a_read_and_a_write_at_the_traffic_rate():
+    hand = dataclasses.replace(cluster(gpus_per_node=2), traffic_rate=1e9)
+    assert st.gradient_copy(10**9, hand, world=2) == pytest.approx(2.0)
+    assert st.gradient_copy(10**9, hand, world=4) == pytest.approx(4.0)  # two ranks to a core
+    assert st.gradient_copy(10**9, cluster(), world=2) == 0.0  # no traffic rate (the presets)
 
 
 def test_ddp_at_world_one_communicates_nothing_and_at_two_all_reduces_each_bucket():

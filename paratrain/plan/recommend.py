@@ -114,6 +114,8 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
         stepped //= gpus  # each rank steps its slice: one flat shard per bucket (unit)
         tensors = [max(1, n // gpus) for n, _ in sent.buckets] or tensors
     optimizer = step_time.optimizer_seconds(stepped, cluster, world=gpus, nodes=nodes, tensors=tensors)
+    copied = step_time.gradient_copy(sum(b for _, b in sent.buckets), cluster, world=gpus, nodes=nodes)
+    seconds = dataclasses.replace(seconds, compute=seconds.compute + accumulate * copied)  # every backward
     if cluster.device == "cpu":  # gloo reduces on the cores that compute (step_time.py)
         seconds = step_time.on_cores(seconds, step_time.sharing(cluster, world=gpus, nodes=nodes))
     return dataclasses.replace(seconds, optimizer=optimizer)

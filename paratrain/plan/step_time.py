@@ -11,8 +11,10 @@ residuals, the loss): where the cluster has a traffic rate, the bytes those ops 
 over it; else the saved activation bytes over the cluster's `elementwise_rate`, a third in the
 forward and two thirds in the backward. The optimizer step: the elements this rank steps over
 the cluster's `optimizer_rate` (or each tensor at its size's calibrated rate), after the
-backward (and before ZeRO-1/2's gather). Ranks beyond a node's devices share them (a CPU node
-running more ranks than cores): each then computes that many times slower.
+backward (and before ZeRO-1/2's gather). Where the cluster has a traffic rate, each backward
+also copies the gradients autograd made into the buffers the strategy reduces
+(`gradient_copy`). Ranks beyond a node's devices share them (a CPU node running more ranks
+than cores): each then computes that many times slower.
 
 Communication: each collective the strategy issues, timed by comm_model.py, on one queue per
 rank (c10d runs a group's collectives in the order issued). How each overlaps with compute:
@@ -122,6 +124,16 @@ def on_cores(seconds: StepTime, shared: float) -> StepTime:
     exposed, and each `shared` times slower."""
     comm = seconds.comm * shared
     return replace(seconds, comm=comm, exposed_comm=max(seconds.exposed_comm * shared, comm))
+
+
+def gradient_copy(grad_bytes: float, cluster: Cluster, *, world: int, nodes: int = 1) -> float:
+    """Seconds a backward takes to write the gradients autograd made into the buffers the
+    strategy reduces: DDP's, ZeRO-1/2's and a pipeline stage's buckets, ZeRO-3's flat gradients
+    (buckets.adopt_grad, flat_shard.grad_arrived); a read and a write of `grad_bytes` at the
+    cluster's traffic rate (0 without one: the presets')."""
+    if not cluster.traffic_rate:
+        return 0.0
+    return 2 * grad_bytes * sharing(cluster, world=world, nodes=nodes) / cluster.traffic_rate
 
 
 def optimizer_seconds(elements: int, cluster: Cluster, *, world: int, nodes: int = 1,
