@@ -166,6 +166,23 @@ def test_an_accumulation_window_holds_what_the_prediction_says():
     assert two.comm_buffers > one.comm_buffers  # without accumulation, one full gradient at a time
 
 
+def test_gradients_made_again_in_each_backward_do_not_add_to_the_activations():
+    """zero2's slices and zero3's shards' gradients are freed by zero_grad and grow as the backward
+    frees the activations: the peak holds the larger of the two; ddp's and zero1's buckets stay,
+    and offloaded gradients are not on the device."""
+    fresh = {name: _predicted(s, 3, "adam", 3)[0] for name, s in _strategies(3).items()}
+    assert fresh["zero2"].fresh_grads == fresh["zero2"].grads > 0
+    assert fresh["zero3"].fresh_grads == fresh["zero3"].grads > 0
+    assert fresh["zero3-offload"].fresh_grads == 0 and fresh["ddp"].fresh_grads == fresh["zero1"].fresh_grads == 0
+    assert 0 < fresh["zero2-offload"].fresh_grads < fresh["zero2-offload"].grads  # the fp32 masters' are on the host
+    with torch.device("meta"):
+        model = _model()
+    zero3, ddp = (predict(model, s, world=3, activation_bytes=3 * 10**6)[0]  # 1 MB a rank: ≫ the gradients
+                  for s in (pt.ZeRO(stage=3, wrap_policy=UNITS), pt.DDP()))
+    assert zero3.device_peak == zero3.at_rest - zero3.grads + zero3.comm_buffers + zero3.gathered + 10**6
+    assert ddp.device_peak == ddp.at_rest + 10**6  # its buckets are there all along
+
+
 def test_the_formulas_of_the_zero_paper_fall_out():
     """Rajbhandari et al. 2020, Figure 1, for Ψ fp32 parameters with Adam (K = 12 with the masters
     counted as parameters here) plus Adam's 4-byte step per stepped tensor; Ψ = 4·(64·64 + 64)

@@ -41,6 +41,10 @@ from (the functions named are the ones the strategies themselves call):
   replica's batch, spread evenly over the stages, times the micro-batches in flight (GPipe m,
   1F1B min(m, S - s)) over m.
 - host: how much of params + grads + optimizer is in CPU memory (ZeRO's offload).
+- fresh_grads: how much of grads on the device zero_grad frees and the next backward makes again
+  (ZeRO-2's reduced slices, ZeRO-3's shards' gradients); ddp's and zero1's buckets stay. They
+  appear as backward frees the activations, so the peak holds the larger of the two (device_peak;
+  bench/plan_accuracy.py: the bench GPT's zero3 peaks went from 6-7 % over to within 1 %).
 - workspace: the optimizer step's temporaries (OptimizerState.workspace: Adam's, two of the
   tensor it steps and the previous one's on the CPU, one of each at once with foreach on CUDA),
   none on the device under offload. The step comes after the backward has freed the
@@ -59,17 +63,14 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.grid import NodeGroups
 from paratrain.parallel.base import Strategy
-from paratrain.parallel.buckets import AllReduce, Reduction, assign, buffer_numel, default_caps, padded_numel
-from paratrain.parallel.ddp import DDP, bucket_caps
-from paratrain.parallel.grad_sync import first_grad_layout, rebuilds
-from paratrain.parallel.hierarchical import Hierarchical, HierarchicalReduction
+from paratrain.parallel.buckets import buffer_numel, padded_numel
+from paratrain.parallel.ddp import DDP
+from paratrain.parallel.hierarchical import Hierarchical
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.single import Single
 from paratrain.parallel.zero import ZeRO
-from paratrain.parallel.zero.owner_reduction import OwnerReduction
-from paratrain.parallel.zero.units import flats_by_unit, owners_by_param, params_by_unit
+from paratrain.plan.layouts import data_parallel_layout, stage_layout, zero3_flats, zero12_layout
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
 
 
@@ -85,6 +86,8 @@ class RankMemory:
     activations: int = 0  # the forward and backward's transient peak, approximate
     host: int = 0  # of params + grads + optimizer: in CPU memory (offload)
     workspace: int = 0  # the optimizer step's temporaries on the device, approximate
+    fresh_grads: int = 0  # of grads on the device: freed by zero_grad, made again in backward
+
 
     @property
     def at_rest(self) -> int:
@@ -94,8 +97,12 @@ class RankMemory:
     def device_peak(self) -> int:
         """On the device at the peak of a step: everything but what lives in CPU memory, with the
         larger of what the forward and backward add and what the optimizer step adds (by then the
-        activations, communication buffers and gathered units are freed)."""
-        return self.at_rest - self.host + max(self.comm_buffers + self.gathered + self.activations, self.workspace)
+        activations, communication buffers and gathered units are freed). Gradients made again
+        in every backward (`fresh_grads`: ZeRO-2's slices, ZeRO-3's shards) grow as the
+        activations are freed: the backward holds the larger of the two, not their sum."""
+        fresh = self.fresh_grads
+        backward = self.comm_buffers + self.gathered + max(self.activations, fresh)
+        return self.at_rest - self.host - fresh + max(backward, fresh + self.workspace)
 
 
 def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: OptimizerState | str = "adam",
@@ -174,25 +181,6 @@ def _plain(state: OptimizerState, params: list[nn.Parameter], activations: int, 
                       workspace=state.workspace(stepped, foreach))
 
 
-def bucket_layout(params: list[nn.Parameter], caps: list[int], reduction: Reduction, find_unused: bool,
-                   arrival: list[nn.Parameter] | None) -> list[list[nn.Parameter]]:
-    """The buckets the gradients live in at rest: rebuilt in arrival order (grad_sync.py), or the
-    first layout when they never are."""
-    if rebuilds(reduction, find_unused):
-        return assign(arrival if arrival is not None else params[::-1], caps, reduction.key)
-    return first_grad_layout(params, caps, reduction, find_unused)
-
-
-def data_parallel_layout(trainable: list[nn.Parameter], strategy: DDP, local_world: int,
-                         arrival: list[nn.Parameter] | None = None) -> tuple[Reduction, list[list[nn.Parameter]]]:
-    """DDP's (hierarchical's: padded to the node's size) reduction and gradient buckets at rest."""
-    reduction: Reduction = AllReduce()
-    if isinstance(strategy, Hierarchical):
-        reduction = HierarchicalReduction(NodeGroups(None, None, tuple(range(local_world)), ()))
-    return reduction, bucket_layout(trainable, bucket_caps(strategy.bucket_cap_mb, None), reduction,
-                                    strategy.find_unused_parameters, arrival)
-
-
 def _data_parallel(m: _Model, strategy: DDP, local_world: int, arrival) -> RankMemory:
     """DDP and hierarchical: whole parameters and optimizer; gradients are bucket views."""
     if isinstance(strategy, Hierarchical) and m.world % local_world:
@@ -203,23 +191,6 @@ def _data_parallel(m: _Model, strategy: DDP, local_world: int, arrival) -> RankM
     chunks = sum(s // reduction.pad_to for s in sizes) if isinstance(strategy, Hierarchical) else 0
     return RankMemory(params=plain.params, grads=sum(sizes), optimizer=plain.optimizer, comm_buffers=chunks,
                       activations=m.activations, workspace=plain.workspace)
-
-
-def meta_like(params: list[nn.Parameter], dtype: torch.dtype | None) -> dict[nn.Parameter, nn.Parameter]:
-    """Stand-ins of `params` on the meta device, cast to `dtype` as ZeRO casts them before laying
-    out its buckets (the caps are in bytes, so the layout depends on the dtype)."""
-    return {p: nn.Parameter(torch.empty(p.shape, dtype=dtype or p.dtype, device="meta")) for p in params}
-
-
-def zero12_layout(trainable: list[nn.Parameter], strategy: ZeRO, world: int, group_of: dict[nn.Parameter, int]
-                  ) -> tuple[OwnerReduction, list[list[nn.Parameter]], dict[nn.Parameter, nn.Parameter]]:
-    """ZeRO-1/2's owners' reduction and buckets, laid out on stand-ins in param_dtype, and each
-    stand-in's original parameter."""
-    stand = meta_like(trainable, strategy.param_dtype)
-    reduction = OwnerReduction(group=None, rank=0, world=world, group_of={s: group_of[p] for p, s in stand.items()})
-    layout = first_grad_layout(list(stand.values()), bucket_caps(strategy.bucket_cap_mb, None), reduction,
-                               find_unused=False)
-    return reduction, layout, {s: p for p, s in stand.items()}
 
 
 def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
@@ -235,23 +206,13 @@ def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
     mine = [(n // m.world, mt if masters else dt) for n, dt, mt in flats]
     optimizer = m.state.bytes(mine)
     largest = sorted((n * dt.itemsize for n, dt, _ in flats), reverse=True)[:2 if m.accumulate == 1 else None]
+    fresh = 0 if strategy.stage == 1 else slices + (0 if strategy.offload else master_bytes)
     return RankMemory(params=m.frozen_bytes + compute + master_bytes, grads=grads, optimizer=optimizer,
+                      fresh_grads=fresh,
                       comm_buffers=sum(largest) if strategy.stage == 2 else 0,
                       activations=m.activations,
                       host=2 * master_bytes + optimizer if strategy.offload else 0,
                       workspace=0 if strategy.offload else m.state.workspace(mine, m.foreach))
-
-
-def zero3_flats(model: nn.Module, strategy: ZeRO, group_of: dict[nn.Parameter, int]
-                ) -> dict[str, list[list[nn.Parameter]]]:
-    """Each ZeRO-3 unit's flat shards' parameters (stage3.py), the wrap policy's units in model
-    order, then the root ("")."""
-    return flats_by_unit(params_by_unit(owners_by_param(model), strategy.wrap_policy.select(model)), group_of)
-
-
-def stage_layout(trainable: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """A pipeline stage's gradient buckets, which its replicas all-reduce (stage.py)."""
-    return first_grad_layout(trainable, default_caps(), AllReduce(), find_unused=True)
 
 
 def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
@@ -269,6 +230,7 @@ def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
     others = sorted((sum(b) for u, b in full.items() if u), reverse=True)[:2 if strategy.prefetch else 1]
     flat_grads = [b for bs in full.values() for b in bs]  # one at a time; all of them while accumulating
     return RankMemory(params=m.frozen_bytes + shard_bytes, grads=shard_bytes, optimizer=optimizer,
+                      fresh_grads=0 if strategy.offload else shard_bytes,
                       comm_buffers=max(flat_grads, default=0) if m.accumulate == 1 else sum(flat_grads),
                       gathered=sum(full.get("", [])) + sum(others),
                       activations=m.activations,

@@ -14,7 +14,8 @@ from paratrain.parallel.zero import ZeRO
 from paratrain.plan.memory import RankMemory, predict
 from paratrain.plan.model_source import ModelSource
 
-FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations", "workspace", "host")
+FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations", "workspace", "host",
+           "fresh_grads")
 
 
 def strategies(gpus: int, batch: int | None = None) -> list[Strategy]:

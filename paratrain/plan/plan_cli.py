@@ -65,8 +65,11 @@ exit status 2, as everywhere in the CLI.
       workspace                  approximate: the optimizer step's temporaries on the device
                                  (optimizer_state.OptimizerState.workspace; foreach on a cuda cluster)
       host                       of params + grads + optimizer: in CPU memory (offload)
+      fresh_grads                of grads on the device: freed by zero_grad and made again as
+                                 the backward frees the activations (zero2's slices, zero3's shards)
       at_rest, device_peak       params + grads + optimizer; on the device at the peak: at_rest
-                                 - host + max(comm_buffers + gathered + activations, workspace)
+                                 - host - fresh_grads + max(comm_buffers + gathered +
+                                 max(activations, fresh_grads), fresh_grads + workspace)
       with --cluster too:
       activation_checkpointing   whether this row checkpoints (tried when it does not fit without)
       session         the pt.Session(...) line that runs it
