@@ -16,7 +16,7 @@ from paratrain.plan.memory import predict
 from paratrain.plan.model_probe import model_facts
 from paratrain.plan.model_source import resolve
 from paratrain.plan.recommend import predict_time
-from paratrain.plan.step_time import gradient_copy
+from paratrain.plan.step_time import gradient_copy, zero3_local_copies
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -317,9 +317,10 @@ def test_png_with_nodes_scales_with_that_node_size():
     assert ddp[4][8]["comm_seconds"] > ddp[8][8]["comm_seconds"]  # 2 nodes of 4 against one of 8
 
 
-def test_ddp_copies_each_gradient_into_its_bucket_once_per_backward():
+def test_ddp_and_zero3_copy_each_gradient_into_their_buffers_once_per_backward():
     """On a cluster with a traffic rate, ddp's backward at world 1 takes what single's does plus
-    a read and a write of every gradient (its buckets); with accumulate=2, twice."""
+    a read and a write of every gradient (its buckets); with accumulate=2, twice; zero3 copies its
+    gradients and its units besides."""
     source = resolve("models:MLP")
     facts = model_facts(source, 8, activation_checkpointing=None)
     here = dataclasses.replace(preset("cpu-here"), traffic_rate=2e9)
@@ -330,3 +331,6 @@ def test_ddp_copies_each_gradient_into_its_bucket_once_per_backward():
     twice = predict_time(source, pt.DDP(), facts.step, here, gpus=1, nodes=1, facts=facts, accumulate=2)
     alone = predict_time(source, pt.Single(), facts.step, here, gpus=1, nodes=1, facts=facts, accumulate=2)
     assert twice.compute - alone.compute == pytest.approx(2 * gradient_copy(grads, here, world=1))
+    zero3 = predict_time(source, pt.ZeRO(stage=3), facts.step, here, gpus=1, nodes=1, facts=facts)
+    assert zero3.compute - single.compute == pytest.approx(gradient_copy(grads, here, world=1)
+                                                           + zero3_local_copies(grads, here, world=1))

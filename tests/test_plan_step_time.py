@@ -59,6 +59,16 @@ def test_gradients_copied_into_buckets_take_a_read_and_a_write_at_the_traffic_ra
     assert st.gradient_copy(10**9, cluster(), world=2) == 0.0  # no traffic rate (the presets)
 
 
+def test_zero3_copies_its_shard_into_each_gather_and_its_slice_into_the_shards_gradient():
+    hand = dataclasses.replace(cluster(gpus_per_node=4), traffic_rate=1e9)
+    # world 1: the whole unit copied in by each of two gathers (2 × 2 GB), zero-filled (1), its
+    # slice (all of it) copied to the shard's gradient (2): 7 GB at 1 GB/s
+    assert st.zero3_local_copies(10**9, hand, world=1) == pytest.approx(7.0)
+    assert st.zero3_local_copies(10**9, hand, world=4) == pytest.approx(1 + 4 / 4 + 2 / 4)
+    assert st.zero3_local_copies(10**9, hand, world=4, accumulate=2) == pytest.approx(1 + 8 / 4 + 2 / 4)
+    assert st.zero3_local_copies(10**9, cluster(), world=4) == 0.0
+
+
 def test_ddp_at_world_one_communicates_nothing_and_at_two_all_reduces_each_bucket():
     compute = st.Compute(1.0, 2.0)
     alone = st.data_parallel(compute, [10**9], [100], Group(1), cluster())

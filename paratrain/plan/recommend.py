@@ -114,8 +114,11 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
         stepped //= gpus  # each rank steps its slice: one flat shard per bucket (unit)
         tensors = [max(1, n // gpus) for n, _ in sent.buckets] or tensors
     optimizer = step_time.optimizer_seconds(stepped, cluster, world=gpus, nodes=nodes, tensors=tensors)
-    copied = step_time.gradient_copy(sum(b for _, b in sent.buckets), cluster, world=gpus, nodes=nodes)
-    seconds = dataclasses.replace(seconds, compute=seconds.compute + accumulate * copied)  # every backward
+    held = sum(b for _, b in sent.buckets)  # the gradient buffers (zero3: its units, whole)
+    copied = accumulate * step_time.gradient_copy(held, cluster, world=gpus, nodes=nodes)  # every backward
+    if isinstance(strategy, ZeRO) and strategy.stage == 3:
+        copied += step_time.zero3_local_copies(held, cluster, world=gpus, nodes=nodes, accumulate=accumulate)
+    seconds = dataclasses.replace(seconds, compute=seconds.compute + copied)
     if cluster.device == "cpu":  # gloo reduces on the cores that compute (step_time.py)
         seconds = step_time.on_cores(seconds, step_time.sharing(cluster, world=gpus, nodes=nodes))
     return dataclasses.replace(seconds, optimizer=optimizer)

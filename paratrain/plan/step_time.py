@@ -13,8 +13,9 @@ forward and two thirds in the backward. The optimizer step: the elements this ra
 the cluster's `optimizer_rate` (or each tensor at its size's calibrated rate), after the
 backward (and before ZeRO-1/2's gather). Where the cluster has a traffic rate, each backward
 also copies the gradients autograd made into the buffers the strategy reduces
-(`gradient_copy`). Ranks beyond a node's devices share them (a CPU node running more ranks
-than cores): each then computes that many times slower.
+(`gradient_copy`), and ZeRO-3 moves its units' bytes locally besides (`zero3_local_copies`).
+Ranks beyond a node's devices share them (a CPU node running more ranks than cores): each then
+computes that many times slower.
 
 Communication: each collective the strategy issues, timed by comm_model.py, on one queue per
 rank (c10d runs a group's collectives in the order issued). How each overlaps with compute:
@@ -134,6 +135,20 @@ def gradient_copy(grad_bytes: float, cluster: Cluster, *, world: int, nodes: int
     if not cluster.traffic_rate:
         return 0.0
     return 2 * grad_bytes * sharing(cluster, world=world, nodes=nodes) / cluster.traffic_rate
+
+
+def zero3_local_copies(unit_bytes: float, cluster: Cluster, *, world: int, nodes: int = 1,
+                       accumulate: int = 1) -> float:
+    """Seconds of ZeRO-3's own copies per optimizer step, besides its collectives, for units of
+    `unit_bytes` in all (flat_shard.py): each gather copies this rank's shard into the full
+    buffer (1/N read and written; the whole unit at world 1, where no collective runs), in every
+    forward and backward; each window's first backward zero-fills the full gradient (written
+    once), and its reduced slice is copied into the shard's gradient (1/N read and written). At
+    the cluster's traffic rate; 0 without one."""
+    if not cluster.traffic_rate:
+        return 0.0
+    moved = unit_bytes * (accumulate * 4 / world + 1 + 2 / world)
+    return moved * sharing(cluster, world=world, nodes=nodes) / cluster.traffic_rate
 
 
 def optimizer_seconds(elements: int, cluster: Cluster, *, world: int, nodes: int = 1,
