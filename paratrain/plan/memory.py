@@ -88,7 +88,6 @@ class RankMemory:
     workspace: int = 0  # the optimizer step's temporaries on the device, approximate
     fresh_grads: int = 0  # of grads on the device: freed by zero_grad, made again in backward
 
-
     @property
     def at_rest(self) -> int:
         return self.params + self.grads + self.optimizer
