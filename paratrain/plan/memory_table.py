@@ -69,7 +69,8 @@ def describe_memory(rows: list[dict], *, gpus: int, optimizer: str, size) -> str
     head = ["strategy", "params", "grads", "optimizer", "comm", "gathered", "activations", "opt. step", "device peak"]
     lines = [f"memory per rank on {gpus} device(s), {optimizer} (the fullest rank; exact: params, grads, "
              "optimizer; upper bounds: comm, gathered; approximate: activations, the optimizer step's "
-             "temporaries; the peak holds the larger of comm + gathered + activations and opt. step):",
+             "temporaries; the peak holds the larger of comm + gathered + activations and opt. step, and zero2's and "
+             "zero3's gradients, made again in each backward, in place of activations as they are freed):",
              "  " + "".join(f"{h:>13}" if i else f"{h:<14}" for i, h in enumerate(head))]
     for row in rows:
         if "error" in row:
