@@ -3,6 +3,7 @@
     python bench/plan_accuracy.py [--cluster FILE] [--worlds 1,2,4] [--models mlp,transformer]
                                   [--strategies ddp,zero1,zero2,zero3,pipeline] [--steps 6]
                                   [--warmup 2] [--out bench/results/plan_accuracy.json] [--quick] [--force]
+    python bench/plan_accuracy.py --accumulate 4 --worlds 2 --out bench/results/plan_accuracy_accumulate.json
 
 The two models of bench/common.py (an MLP of 18.9 M parameters on a global batch of 256 rows; a
 GPT of 9.7 M on 32 sequences of 64 tokens) train with Adam under each strategy at each world size
@@ -24,6 +25,8 @@ Predicted, from the same model built on the meta device: the fullest rank's devi
 (plan/recommend.predict_time: step_time.py over traffic.py's messages) on the cluster file,
 `--cluster`, or one `paratrain plan --calibrate` writes first into bench/results/cpu_calibration.json.
 Targets (issue 12): step time within 15 %, peak memory within 10 %, in every case.
+`--accumulate K`: every step is K micro-batches of the same global batch, Session(accumulate=K),
+against `paratrain plan --accumulate K` (not one of the issue's 28 cases: the second command).
 
 Before each case the bench times a 1024³ matmul and Adam again (`machine_speed`, in the JSON):
 this shared machine's rates move by up to 2 × within minutes, which the cluster file, measured
@@ -79,9 +82,10 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, -2), y.flatten())
 
 
-def _rank(topo, model_name: str, case: str, steps: int, warmup: int, memory: bool) -> dict:
-    """Train `steps` timed steps; this rank's step times, or (`memory`) its peak memory with
-    freed blocks leaving RSS (which slows every step by its page faults: a job of its own)."""
+def _rank(topo, model_name: str, case: str, steps: int, warmup: int, memory: bool, accumulate: int = 1) -> dict:
+    """Train `steps` timed optimizer steps (`accumulate` micro-batches each); this rank's step
+    times, or (`memory`) its peak memory with freed blocks leaving RSS (which slows every step by
+    its page faults: a job of its own)."""
     torch.set_num_threads(1)
     if memory:
         return_freed_memory_to_os()
@@ -90,14 +94,15 @@ def _rank(topo, model_name: str, case: str, steps: int, warmup: int, memory: boo
     batches = make_batches(model_name, GLOBAL_BATCH[model_name], warmup + steps, seed=1)
     reset_peak_rss()
     base = rss_mb() - file_rss_mb()
-    session = pt.Session(strategy_of(case, model_name), topology=topo, progress_bar=False)
+    session = pt.Session(strategy_of(case, model_name), topology=topo, progress_bar=False, accumulate=accumulate)
     model = make_model(model_name)
     model, _ = session.setup(model, torch.optim.Adam(model.parameters(), lr=1e-4))
     times = []
     for i, (x, y) in enumerate(batches):
         x, y = x.chunk(model.replicas)[model.replica_index], y.chunk(model.replicas)[model.replica_index]
         started = time.perf_counter()
-        session.train_step((x, y), _loss).item()
+        for xm, ym in zip(x.chunk(accumulate), y.chunk(accumulate)):
+            session.train_step((xm, ym), _loss).item()
         if i >= warmup:
             times.append(time.perf_counter() - started)
     return {"times": times, "peak_mb": peak_rss_mb() - file_rss_mb() - base}
@@ -109,21 +114,23 @@ def _planned_loss(out: torch.Tensor) -> torch.Tensor:
 
 
 def measure(model: str, case: str, world: int, args: argparse.Namespace) -> dict:
-    ranks = run_on_ranks(_rank, world, model, case, args.steps, args.warmup, False, threads=1, timeout=600)
+    ranks = run_on_ranks(_rank, world, model, case, args.steps, args.warmup, False, args.accumulate, threads=1,
+                         timeout=600)
     slowest = [max(step) for step in zip(*(r["times"] for r in ranks))]
-    peaks = run_on_ranks(_rank, world, model, case, 1, 2, True, threads=1, timeout=600)
+    peaks = run_on_ranks(_rank, world, model, case, 1, 2, True, args.accumulate, threads=1, timeout=600)
     return {"step_s": statistics.median(slowest), "peak_mb": max(r["peak_mb"] for r in peaks)}
 
 
-def predicted(model: str, case: str, world: int, cluster) -> dict:
+def predicted(model: str, case: str, world: int, cluster, accumulate: int = 1) -> dict:
     source = resolve(FACTORY[model])
     seq = SEQ if model == "transformer" else None
     batch = GLOBAL_BATCH[model] // (SEQ if seq else 1)
     facts = model_facts(source, batch, seq, activation_checkpointing=None, loss_fn=_planned_loss)
     strategy = strategy_of(case, model)
     ranks = predict(source.build(), strategy, world=world, optimizer="adam",
-                    activation_bytes=facts.step.activation_peak_bytes)
-    seconds = predict_time(source, strategy, facts.step, cluster, gpus=world, nodes=1, facts=facts)
+                    activation_bytes=facts.step.activation_peak_bytes, accumulate=accumulate)
+    seconds = predict_time(source, strategy, facts.step, cluster, gpus=world, nodes=1, facts=facts,
+                           accumulate=accumulate)
     return {"step_s": seconds.total, "peak_mb": max(r.device_peak for r in ranks) / 2**20,
             "compute_s": seconds.compute, "exposed_comm_s": seconds.exposed_comm, "bubble_s": seconds.bubble}
 
@@ -159,7 +166,7 @@ def main(argv=None) -> None:
         save_cluster(cluster, os.path.join(HERE, "results", "cpu_calibration.json"))
     rows = []
     for model, case, world in cases(args):
-        want = predicted(model, case, world, cluster)
+        want = predicted(model, case, world, cluster, args.accumulate)
         speed = machine_speed(cluster)
         got = measure(model, case, world, args)
         print(f"{model} {case} world {world}: step {got['step_s']:.3f} s (predicted {want['step_s']:.3f}), "
@@ -178,7 +185,8 @@ def main(argv=None) -> None:
     for what in ("matmul", "adam"):
         seen = [r["machine_speed"][what] for r in rows]
         print(f"this machine's {what} rate before each case: {min(seen):.2f}-{max(seen):.2f} x the calibration's")
-    write_results(args, dict(global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES, steps=args.steps,
+    write_results(args, dict(global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES, accumulate=args.accumulate,
+                             steps=args.steps,
                              warmup=args.warmup, cluster=cluster.name, threads_per_rank=1), load,
                   ranks=max(args.worlds), cases=rows)
 
@@ -191,6 +199,7 @@ def _parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--strategies", default="ddp,zero1,zero2,zero3,pipeline")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per case")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "plan_accuracy.json"))
     parser.add_argument("--quick", action="store_true", help="world 2, 2 steps: a smoke check")
     add_force(parser)

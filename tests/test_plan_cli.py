@@ -317,6 +317,24 @@ def test_png_with_nodes_scales_with_that_node_size():
     assert ddp[4][8]["comm_seconds"] > ddp[8][8]["comm_seconds"]  # 2 nodes of 4 against one of 8
 
 
+def test_every_backward_of_a_pipelines_micro_batches_adds_its_gradients(monkeypatch):
+    """A pipeline stage's m micro-batches each add their gradients to the stage's (times accumulate)."""
+    from paratrain.plan import step_time
+
+    source = resolve("gpt2")
+    facts = model_facts(source, 24, 32, activation_checkpointing=None)
+    here = dataclasses.replace(preset("cpu-here"), traffic_rate=2e9)
+
+    def compute(copy_seconds: float, **how) -> float:
+        monkeypatch.setattr(step_time, "gradient_copy", lambda *args, **kwargs: copy_seconds)
+        return predict_time(source, **how, step=facts.step, cluster=here, nodes=1, facts=facts).compute
+
+    for strategy, accumulate, backwards in ((pt.Pipeline(stages=2, microbatches=4), 1, 4),
+                                            (pt.Pipeline(stages=2, microbatches=4), 3, 12), (pt.DDP(), 3, 3)):
+        how = dict(strategy=strategy, gpus=2, accumulate=accumulate)
+        assert compute(1.0, **how) - compute(0.0, **how) == pytest.approx(backwards)
+
+
 def test_ddp_and_zero3_copy_each_gradient_into_their_buffers_once_per_backward():
     """On a cluster with a traffic rate, ddp's backward at world 1 takes what single's does plus
     a read and a write of every gradient (its buckets); with accumulate=2, twice; zero3 copies its

@@ -115,7 +115,8 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
         tensors = [max(1, n // gpus) for n, _ in sent.buckets] or tensors
     optimizer = step_time.optimizer_seconds(stepped, cluster, world=gpus, nodes=nodes, tensors=tensors)
     held = sum(b for _, b in sent.buckets)  # the gradient buffers (zero3: its units, whole)
-    copied = accumulate * step_time.gradient_copy(held, cluster, world=gpus, nodes=nodes)  # every backward
+    backwards = accumulate * (strategy.microbatches if isinstance(strategy, Pipeline) else 1)
+    copied = backwards * step_time.gradient_copy(held, cluster, world=gpus, nodes=nodes)  # each adds its gradients
     if isinstance(strategy, ZeRO) and strategy.stage == 3:
         copied += step_time.zero3_local_copies(held, cluster, world=gpus, nodes=nodes, accumulate=accumulate)
     seconds = dataclasses.replace(seconds, compute=seconds.compute + copied)

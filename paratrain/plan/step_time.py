@@ -130,8 +130,9 @@ def on_cores(seconds: StepTime, shared: float) -> StepTime:
 def gradient_copy(grad_bytes: float, cluster: Cluster, *, world: int, nodes: int = 1) -> float:
     """Seconds a backward takes to write the gradients autograd made into the buffers the
     strategy reduces: DDP's, ZeRO-1/2's and a pipeline stage's buckets, ZeRO-3's flat gradients
-    (buckets.adopt_grad, flat_shard.grad_arrived); a read and a write of `grad_bytes` at the
-    cluster's traffic rate (0 without one: the presets')."""
+    (buckets.adopt_grad, flat_shard.grad_arrived), or to add them to those of the backwards
+    before it (each micro-batch of a pipeline, of gradient accumulation); a read and a write of
+    `grad_bytes` at the cluster's traffic rate (0 without one: the presets')."""
     if not cluster.traffic_rate:
         return 0.0
     return 2 * grad_bytes * sharing(cluster, world=world, nodes=nodes) / cluster.traffic_rate
