@@ -177,10 +177,13 @@ def test_gradients_made_again_in_each_backward_do_not_add_to_the_activations():
     assert 0 < fresh["zero2-offload"].fresh_grads < fresh["zero2-offload"].grads  # the fp32 masters' are on the host
     with torch.device("meta"):
         model = _model()
-    zero3, ddp = (predict(model, s, world=3, activation_bytes=3 * 10**6)[0]  # 1 MB a rank: ≫ the gradients
-                  for s in (pt.ZeRO(stage=3, wrap_policy=UNITS), pt.DDP()))
+    zero3, ddp, zero2 = (predict(model, s, world=3, activation_bytes=3 * 10**6)[0]  # 1 MB a rank: ≫ the gradients
+                         for s in (pt.ZeRO(stage=3, wrap_policy=UNITS), pt.DDP(), pt.ZeRO(stage=2, bucket_cap_mb=TINY)))
     assert zero3.device_peak == zero3.at_rest - zero3.grads + zero3.comm_buffers + zero3.gathered + 10**6
     assert ddp.device_peak == ddp.at_rest + 10**6  # its buckets are there all along
+    # zero2 fills one bucket at a time: at the activations' peak, only the first
+    assert 0 < zero2.comm_at_start < zero2.comm_buffers
+    assert zero2.device_peak == zero2.at_rest - zero2.grads + zero2.comm_at_start + 10**6
 
 
 def test_the_formulas_of_the_zero_paper_fall_out():

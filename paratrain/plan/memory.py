@@ -25,7 +25,8 @@ from (the functions named are the ones the strategies themselves call):
   assumed here to be the reverse of registration (`arrival` overrides it); another order may move
   bucket boundaries, and so the padding, by under L elements per bucket.
 - comm_buffers: UPPER BOUND of transient storage during backward, beyond the at-rest figures:
-  zero2's two largest full gradient buckets (one filling, one reducing); zero3's largest full
+  zero2's two largest full gradient buckets (one filling, one reducing; at the backward's start,
+  when the activations peak, only the first is filling: `comm_at_start`); zero3's largest full
   flat gradient (one at a time, stage3.py); hierarchical's phase-1 chunks, every bucket's at
   once. Zero for ddp, zero1 and pipeline, whose buckets are the gradients. p2p receive buffers
   of a pipeline are activations, not counted here. With gradient accumulation (`accumulate` > 1:
@@ -87,6 +88,7 @@ class RankMemory:
     host: int = 0  # of params + grads + optimizer: in CPU memory (offload)
     workspace: int = 0  # the optimizer step's temporaries on the device, approximate
     fresh_grads: int = 0  # of grads on the device: freed by zero_grad, made again in backward
+    comm_at_start: int | None = None  # of comm_buffers, what the backward holds at its start (None: all)
 
     @property
     def at_rest(self) -> int:
@@ -98,9 +100,11 @@ class RankMemory:
         larger of what the forward and backward add and what the optimizer step adds (by then the
         activations, communication buffers and gathered units are freed). Gradients made again
         in every backward (`fresh_grads`: ZeRO-2's slices, ZeRO-3's shards) grow as the
-        activations are freed: the backward holds the larger of the two, not their sum."""
+        activations are freed: the backward holds the larger of the two, not their sum. So do
+        buffers made as it goes (`comm_at_start`: zero2 fills one gradient bucket at a time)."""
         fresh = self.fresh_grads
-        backward = self.comm_buffers + self.gathered + max(self.activations, fresh)
+        start = self.comm_buffers if self.comm_at_start is None else self.comm_at_start
+        backward = self.gathered + max(self.activations + start, self.comm_buffers + fresh)
         return self.at_rest - self.host - fresh + max(backward, fresh + self.workspace)
 
 
@@ -205,10 +209,12 @@ def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
     mine = [(n // m.world, mt if masters else dt) for n, dt, mt in flats]
     optimizer = m.state.bytes(mine)
     largest = sorted((n * dt.itemsize for n, dt, _ in flats), reverse=True)[:2 if m.accumulate == 1 else None]
+    filling = largest[0] if m.accumulate == 1 and largest else sum(largest)  # a window keeps them all
     fresh = 0 if strategy.stage == 1 else slices + (0 if strategy.offload else master_bytes)
     return RankMemory(params=m.frozen_bytes + compute + master_bytes, grads=grads, optimizer=optimizer,
                       fresh_grads=fresh,
                       comm_buffers=sum(largest) if strategy.stage == 2 else 0,
+                      comm_at_start=filling if strategy.stage == 2 else 0,
                       activations=m.activations,
                       host=2 * master_bytes + optimizer if strategy.offload else 0,
                       workspace=0 if strategy.offload else m.state.workspace(mine, m.foreach))

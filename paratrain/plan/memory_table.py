@@ -15,7 +15,7 @@ from paratrain.plan.memory import RankMemory, predict
 from paratrain.plan.model_source import ModelSource
 
 FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations", "workspace", "host",
-           "fresh_grads")
+           "fresh_grads", "comm_at_start")
 
 
 def strategies(gpus: int, batch: int | None = None) -> list[Strategy]:

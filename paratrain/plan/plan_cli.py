@@ -67,9 +67,11 @@ exit status 2, as everywhere in the CLI.
       host                       of params + grads + optimizer: in CPU memory (offload)
       fresh_grads                of grads on the device: freed by zero_grad and made again as
                                  the backward frees the activations (zero2's slices, zero3's shards)
+      comm_at_start              of comm_buffers, what the backward holds at its start (zero2: the
+                                 bucket it fills first); null: all of them
       at_rest, device_peak       params + grads + optimizer; on the device at the peak: at_rest
-                                 - host - fresh_grads + max(comm_buffers + gathered +
-                                 max(activations, fresh_grads), fresh_grads + workspace)
+                                 - host - fresh_grads + max(gathered + max(activations +
+                                 comm_at_start, comm_buffers + fresh_grads), fresh_grads + workspace)
       with --cluster too:
       activation_checkpointing   whether this row checkpoints (tried when it does not fit without)
       session         the pt.Session(...) line that runs it
