@@ -10,7 +10,6 @@ mallopt.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -25,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from paratrain.cpu_malloc import set_thresholds
 
 SEQ = 64  # tokens per transformer sequence
 VOCAB = 8192
@@ -209,14 +210,13 @@ def _has_storage(t: torch.Tensor) -> bool:
 # a heap that keeps freed memory. The threshold starts at 128 KiB but rises to the size of any
 # mmapped block freed (up to 32 MiB), so after torch has freed a few tensors, freed gradients and
 # activations stay in the heap: RSS then neither falls nor shows what is live. Fixing the
-# threshold (which also stops it moving) makes RSS follow the live tensors.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# threshold (which also stops it moving) makes RSS follow the live tensors: the opposite of what
+# paratrain run sets for training (paratrain/cpu_malloc.py), with the same mallopt.
 
 
 def return_freed_memory_to_os(threshold: int = 64 * 1024) -> None:
     """Make this process's freed blocks above `threshold` bytes go back to the OS, and check it."""
-    libc = ctypes.CDLL("libc.so.6")
-    if not (libc.mallopt(_M_MMAP_THRESHOLD, threshold) and libc.mallopt(_M_TRIM_THRESHOLD, threshold)):
+    if not set_thresholds(threshold):
         raise RuntimeError("mallopt refused to set the mmap threshold; peak memory would be wrong")
     before = rss_mb()
     for _ in range(3):  # with a moving threshold the second and third blocks stay in the heap

@@ -41,10 +41,16 @@ def launch_env(environ: dict) -> None:
 def keep_freed_blocks() -> bool:
     """Raise this process's mmap and trim thresholds to THRESHOLD (glibc); False where there is
     no glibc or it refused."""
+    return set_thresholds(THRESHOLD)
+
+
+def set_thresholds(threshold: int) -> bool:
+    """Set this process's mmap and trim thresholds (mallopt) to `threshold` bytes, which also
+    stops the mmap threshold moving; False where there is no glibc or it refused."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, THRESHOLD))
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, threshold))
