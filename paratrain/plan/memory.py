@@ -208,12 +208,13 @@ def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
     grads = (compute if strategy.stage == 1 else slices) + master_bytes
     mine = [(n // m.world, mt if masters else dt) for n, dt, mt in flats]
     optimizer = m.state.bytes(mine)
-    largest = sorted((n * dt.itemsize for n, dt, _ in flats), reverse=True)[:2 if m.accumulate == 1 else None]
-    filling = largest[0] if m.accumulate == 1 and largest else sum(largest)  # a window keeps them all
+    full = sorted((n * dt.itemsize for n, dt, _ in flats), reverse=True)
+    # one bucket filling, one reducing (the first alone at the backward's start); a window keeps them all
+    held, filling = (sum(full[:2]), full[0] if full else 0) if m.accumulate == 1 else (sum(full), sum(full))
     fresh = 0 if strategy.stage == 1 else slices + (0 if strategy.offload else master_bytes)
     return RankMemory(params=m.frozen_bytes + compute + master_bytes, grads=grads, optimizer=optimizer,
                       fresh_grads=fresh,
-                      comm_buffers=sum(largest) if strategy.stage == 2 else 0,
+                      comm_buffers=held if strategy.stage == 2 else 0,
                       comm_at_start=filling if strategy.stage == 2 else 0,
                       activations=m.activations,
                       host=2 * master_bytes + optimizer if strategy.offload else 0,

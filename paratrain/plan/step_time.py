@@ -133,9 +133,7 @@ def gradient_copy(grad_bytes: float, cluster: Cluster, *, world: int, nodes: int
     (buckets.adopt_grad, flat_shard.grad_arrived), or to add them to those of the backwards
     before it (each micro-batch of a pipeline, of gradient accumulation); a read and a write of
     `grad_bytes` at the cluster's traffic rate (0 without one: the presets')."""
-    if not cluster.traffic_rate:
-        return 0.0
-    return 2 * grad_bytes * sharing(cluster, world=world, nodes=nodes) / cluster.traffic_rate
+    return _moving(2 * grad_bytes, cluster, world=world, nodes=nodes)
 
 
 def zero3_local_copies(unit_bytes: float, cluster: Cluster, *, world: int, nodes: int = 1,
@@ -146,10 +144,15 @@ def zero3_local_copies(unit_bytes: float, cluster: Cluster, *, world: int, nodes
     forward and backward; each window's first backward zero-fills the full gradient (written
     once), and its reduced slice is copied into the shard's gradient (1/N read and written). At
     the cluster's traffic rate; 0 without one."""
+    return _moving(unit_bytes * (accumulate * 4 / world + 1 + 2 / world), cluster, world=world, nodes=nodes)
+
+
+def _moving(nbytes: float, cluster: Cluster, *, world: int, nodes: int) -> float:
+    """Seconds to read and write `nbytes` in all at the cluster's traffic rate, on ranks that may
+    share a device (sharing); 0 where the cluster has no traffic rate."""
     if not cluster.traffic_rate:
         return 0.0
-    moved = unit_bytes * (accumulate * 4 / world + 1 + 2 / world)
-    return moved * sharing(cluster, world=world, nodes=nodes) / cluster.traffic_rate
+    return nbytes * sharing(cluster, world=world, nodes=nodes) / cluster.traffic_rate
 
 
 def optimizer_seconds(elements: int, cluster: Cluster, *, world: int, nodes: int = 1,
