@@ -14,7 +14,8 @@ so those are counted.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import torch
 

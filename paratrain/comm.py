@@ -278,6 +278,19 @@ def max_over(flag: torch.Tensor, group=None) -> torch.Tensor:
     return flag
 
 
+def sum_over(value: torch.Tensor, group=None) -> torch.Tensor:
+    """`value` (a 0-dim float tensor) summed over `group`'s ranks: one all-reduce, on the group's
+    device (`group=None`: `value` as is). Sums of per-rank sums carry a NaN or an infinity from
+    any rank, so one sum says whether every rank's values are finite (step.py's check), in one
+    collective and no elementwise test (`torch.isfinite` of a scalar is four ops). Reduced in
+    place when it is already on that device: pass a tensor of the caller's own."""
+    if group is None:
+        return value
+    value = value.to(group_device(group))
+    dist.all_reduce(value, group=group)
+    return value
+
+
 def group_device(group=None) -> torch.device:
     """Where scratch tensors for `group` live: nccl reduces CUDA tensors only."""
     if dist.get_backend(group) == "nccl":

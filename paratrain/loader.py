@@ -168,8 +168,10 @@ def _same_everywhere(batch: list[int]) -> None:
 def to_device(batch: Any, device: torch.device) -> Any:
     """`batch` with every tensor moved to `device` (a pair of tensors without a tree walk: the
     common case, once per micro-batch)."""
-    if type(batch) in (tuple, list) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch):
-        return type(batch)(t.to(device, non_blocking=True) for t in batch)
+    if type(batch) in (tuple, list) and len(batch) == 2:
+        first, second = batch
+        if torch.is_tensor(first) and torch.is_tensor(second):
+            return type(batch)((first.to(device, non_blocking=True), second.to(device, non_blocking=True)))
     return tree_map(lambda t: t.to(device, non_blocking=True) if torch.is_tensor(t) else t, batch)
 
 

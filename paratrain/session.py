@@ -169,20 +169,16 @@ class Session(JobFacts, SessionCheckpoints):
         model = self._require_model()
         if self.meter is not None:
             self.meter.count(inputs)
-        fn = loss_fn or model.default_loss
-        def checked(outputs: Any, targets: Any) -> torch.Tensor:  # a NaN loss is named at the step
-            return self._check_finite(check_loss(fn(outputs, targets)))
-
         with self.accumulation():
-            loss = model.forward_backward(inputs, targets, checked, self._loss_factor(weight))
+            loss = model.forward_backward(inputs, targets, loss_fn or model.default_loss, self._loss_factor(weight))
+        self._check_finite(loss)  # a NaN loss (a pipeline's: the mean of its micro-batches') is named at the step
         if self._verify is not None:
             self._verify.loss(loss)
         self.last_loss = loss
         self.step()
         return loss
 
-    @contextlib.contextmanager
-    def accumulation(self) -> Iterator[bool]:
+    def accumulation(self) -> contextlib.AbstractContextManager[bool]:
         """Wrap forward and backward of one micro-batch: on all but the last of `accumulate`
         micro-batches, gradients accumulate locally with no communication. Under precision
         "bf16"/"fp16" the block runs under `torch.autocast`. Yields whether this micro-batch
@@ -193,6 +189,12 @@ class Session(JobFacts, SessionCheckpoints):
                              f"th call, accumulate={self.accumulate}), not once after several blocks")
         self._in_micro_batch = True
         last = (self.micro_step + 1) % self.accumulate == 0
+        if last and self.autocast_dtype is None:  # nothing to enter: the common case costs no generator
+            return contextlib.nullcontext(last)
+        return self._micro_batch(last)
+
+    @contextlib.contextmanager
+    def _micro_batch(self, last: bool) -> Iterator[bool]:
         sync = contextlib.nullcontext() if last else self._require_model().no_sync()
         with sync, self.autocast():
             yield last

@@ -10,11 +10,13 @@ device as the gradients, so a micro-batch costs none):
     check       otherwise a non-finite loss, or gradient anywhere, stops the run, naming the
                 micro-batch or the parameters, before the optimizer steps: replicated strategies
                 hold the same averaged gradients everywhere, so each rank checks its own (and its
-                losses); sharded ones reduce one flag over the holders, or, when every rank saw
-                each reduction whole and the model is small, each sums those
+                losses); sharded ones sum their gradients and all-reduce that one number
+                over the holders (a NaN or an infinity anywhere survives the sum), or, when
+                every rank saw each reduction whole and the model is small, each sums those
                 (ParallelModule.reduced_finite); DDP sums each bucket as its all-reduce
-                completes (buckets.AllReduce; a large model, its 1/N of each, and reduces one
-                flag). With clipping the global norm is that check.
+                completes (buckets.AllReduce; a large model, its 1/N of each, and all-reduces
+                the sum). Each test of a sum is on the host, math.isfinite(sum.item()).
+                With clipping the global norm is that check.
                 Under fp16 a non-finite gradient is an overflow (skip); a non-finite loss still
                 stops the run.
     clip        by the global norm (clip_grad_norm_)
@@ -29,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from paratrain.accumulation import TokenWeights
-from paratrain.comm import max_over
+from paratrain.comm import sum_over
 from paratrain.errors import UsageError
 from paratrain.parallel.base import ParallelModule
 from paratrain.precision import GradScaler
@@ -82,16 +84,17 @@ def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, w
     reduced_finite = model.reduced_finite()  # every step: it starts the next step's count too
     loss = losses.total() if check_finite and losses is not None else None
     try:
-        if scaler is not None or factor != 1.0 or (check_finite and max_grad_norm is None):
+        if scaler is not None:  # unscale before clipping: max_grad_norm is in true units
             grads, group = model.local_grads()
-            if scaler is not None:  # unscale before clipping: max_grad_norm is in true units
-                if loss is not None and not torch.isfinite(loss):  # overflow skips; a NaN loss stops
-                    raise _non_finite(model, "loss", losses)
-                skip = scaler.unscale_(grads, group, factor=factor)
-            else:
-                _scale(grads, factor)
-                if check_finite and max_grad_norm is None and not _all_finite(grads, group, reduced_finite, loss):
-                    raise _non_finite(model, "gradient", losses)
+            if loss is not None and not torch.isfinite(loss):  # overflow skips; a NaN loss stops
+                raise _non_finite(model, "loss", losses)
+            skip = scaler.unscale_(grads, group, factor=factor)
+        elif factor != 1.0 or (check_finite and max_grad_norm is None):
+            # read to scale them, or to check them when the reductions were not summed
+            grads, group = model.local_grads() if factor != 1.0 or reduced_finite is None else ([], None)
+            _scale(grads, factor)
+            if check_finite and max_grad_norm is None and not _all_finite(grads, group, reduced_finite, loss):
+                raise _non_finite(model, "gradient", losses)
         if max_grad_norm is not None and not skip:
             norm = model.clip_grad_norm_(max_grad_norm)
             # the norm is global: every rank agrees on it
@@ -118,11 +121,11 @@ def _scale(grads: list[torch.Tensor], factor: float) -> None:
 def _all_finite(grads: list[torch.Tensor], group: Any, reduced_finite: torch.Tensor | None = None,
                 loss: torch.Tensor | None = None) -> bool:
     """Whether every gradient on every holder, and `loss` (this rank's, LossLog.total), is
-    finite: one fused norm, and one small all-reduce when the gradients are split between ranks
-    (group is not None), unless every rank saw every reduction whole and summed it
+    finite: one fused norm, and one all-reduce of a scalar when the gradients are split between
+    ranks (group is not None), unless every rank saw every reduction whole and summed it
     (`reduced_finite`, ParallelModule.reduced_finite). One wait for the device in all."""
-    if reduced_finite is not None:  # the loss read after the flag: by then it waits for nothing
-        return bool(reduced_finite.item()) and (loss is None or math.isfinite(loss.item()))
+    if reduced_finite is not None:  # the loss read after the sum: by then it waits for nothing
+        return math.isfinite(reduced_finite.item()) and (loss is None or math.isfinite(loss.item()))
     # a sum is the cheapest full read, and NaN and inf survive it (finite values summing past the
     # float range would be a false alarm, at gradients of 1e38)
     sums = [g.sum() for g in grads] if len(grads) < 8 else list(torch._foreach_norm(grads))
@@ -134,7 +137,7 @@ def _all_finite(grads: list[torch.Tensor], group: Any, reduced_finite: torch.Ten
     total = torch.stack(sums).sum() if sums else torch.zeros(())
     if loss is not None:
         total = total.float() + loss.to(total.device)
-    return not bool(max_over((~torch.isfinite(total)).float(), group).item())
+    return math.isfinite(sum_over(total.float(), group).item())
 
 
 def _non_finite(model: ParallelModule, what: str, losses: LossLog | None) -> UsageError:

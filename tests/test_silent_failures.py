@@ -2,6 +2,7 @@
 paratrain error naming the cause. Every test here failed on the code before the fix."""
 
 import itertools
+import math
 import warnings
 
 import pytest
@@ -134,8 +135,8 @@ def _flag_all_reduces(topo, strategy, limit):
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_a_small_zero_model_checks_its_gradients_without_a_collective(strategy):
     """On gloo every rank holds each reduction whole: a model under ReducedSums.LIMIT elements sums
-    them instead of all-reducing a flag (bench/session.py's tiny model: that flag was most of what
-    the session added); above it, the flag."""
+    them instead of all-reducing a sum (bench/session.py's tiny model: that collective was most of
+    what the session added); above it, one all-reduce of this rank's sum."""
     assert run_on_ranks(_flag_all_reduces, 2, strategy, ReducedSums.LIMIT) == [0, 0]
     assert run_on_ranks(_flag_all_reduces, 2, strategy, 0) == [1, 1]
 
@@ -154,26 +155,34 @@ def test_shared_sums_read_only_this_ranks_share_of_each_buffer():
         assert sums.total is None
 
 
-def test_ddp_checks_a_large_model_by_shares_and_one_flag():
+def test_ddp_checks_a_large_model_by_shares_and_one_all_reduced_sum():
     """DDP under ReducedSums.LIMIT elements sums every bucket whole, with no collective; above it,
-    each rank sums its share and all-reduces one flag per step."""
+    each rank sums its share and the shares' sums are all-reduced once per step."""
     assert run_on_ranks(_flag_all_reduces, 2, "ddp", ReducedSums.LIMIT) == [0, 0]
     assert run_on_ranks(_flag_all_reduces, 2, "ddp", 0) == [1, 1]
 
 
-def _ddp_check_answer(topo, nan_check, hook, clip=None):
-    """What DDP's reduced_finite() says after one synchronised backward (None: the step's check
-    would read the buckets again); `hook`: fp16 compression registered after setup."""
+def _ddp_check_answer(topo, nan_check, hook, clip=None, limit=None):
+    """What DDP's reduced_finite() says after one synchronised backward, checked to be the sum of
+    every averaged gradient (None: the step's check would read the buckets again); `hook`: fp16
+    compression registered after setup; `limit` 0: each rank sums its share of every bucket and
+    the shares' sums are all-reduced."""
+    if limit is not None:
+        ReducedSums.LIMIT = limit
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     session = pt.Session("ddp", topology=topo, progress_bar=False, nan_check=nan_check, max_grad_norm=clip)
     model = make_model("mlp")
     model, _ = session.setup(model, _sgd(model))
     if hook:
         model.register_comm_hook(None, fp16_compress_hook)
-    x, y = XS[0].chunk(2)[topo.rank], YS[0].chunk(2)[topo.rank]
+    x, y = XS[0].chunk(topo.world_size)[topo.rank], YS[0].chunk(topo.world_size)[topo.rank]
     session.backward(F.cross_entropy(model(x), y))
     answer = model.reduced_finite()
-    return None if answer is None else bool(answer)
+    if answer is None:
+        return None
+    whole = sum(p.grad.double().sum() for p in model.parameters()).item()  # every averaged gradient
+    assert math.isclose(answer.item(), whole, rel_tol=1e-4, abs_tol=1e-6), (answer.item(), whole)
+    return math.isfinite(answer.item())
 
 
 def test_ddp_sums_its_buckets_for_the_check_only_when_the_session_checks():
@@ -182,6 +191,7 @@ def test_ddp_sums_its_buckets_for_the_check_only_when_the_session_checks():
     communication hook reduces its own way (the step's check then reads the buckets: the NaN test
     above covers both paths); with clipping the global norm is the check, so nothing is summed."""
     assert run_on_ranks(_ddp_check_answer, 2, True, False) == [True, True]
+    assert run_on_ranks(_ddp_check_answer, 3, True, False, None, 0) == [True, True, True]  # shares
     assert run_on_ranks(_ddp_check_answer, 2, False, False) == [None, None]
     assert run_on_ranks(_ddp_check_answer, 2, True, True) == [None, None]
     assert run_on_ranks(_ddp_check_answer, 2, True, False, 1.0) == [None, None]  # the norm checks

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -152,11 +153,12 @@ class ParallelModule(nn.Module):
         return [p.grad for p in self.parameters() if p.grad is not None], None
 
     def reduced_finite(self) -> torch.Tensor | None:
-        """Whether every gradient reduced since the last call is finite, known on every rank
-        (a 0-dim bool tensor), or None when this rank cannot tell alone; called once per optimizer
-        step, on every rank. Strategies that see each reduction whole may say (buckets.py,
-        ReducedSums): ZeRO's small models with no collective, and DDP once watch_reductions() was
-        called (above ReducedSums.LIMIT elements, after one all-reduce of a flag)."""
+        """A 0-dim tensor, the same on every rank, that is finite exactly when every gradient
+        reduced since the last call is (a sum of them all), or None when this rank cannot tell
+        alone; called once per optimizer step, on every rank. Strategies that see each reduction
+        whole may say (buckets.py, ReducedSums): ZeRO's small models with no collective, and DDP
+        once watch_reductions() was called (above ReducedSums.LIMIT elements, after one
+        all-reduce of the ranks' partial sums)."""
         return None
 
     def watch_reductions(self) -> None:

@@ -147,8 +147,8 @@ class FullyShardedDataParallel(ParallelModule):
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.BACKWARD
             Variable._execution_engine.queue_callback(self._finish_backward)
-            if all(s.grad is None for s in self.shards):  # a new step: the finite check starts afresh
-                self.reduced_finite()
+            if self._sums is not None and all(s.grad is None for s in self.shards):
+                self._sums.reset()  # a new step: the finite check starts afresh
         if self._sync_this_backward and unit.name:
             self._flush_partial(unit)
         self._unshard(unit)
