@@ -128,7 +128,7 @@ def predicted(model: str, case: str, world: int, cluster, accumulate: int = 1) -
     facts = model_facts(source, batch, seq, activation_checkpointing=None, loss_fn=_planned_loss)
     strategy = strategy_of(case, model)
     ranks = predict(source.build(), strategy, world=world, optimizer="adam",
-                    activation_bytes=facts.step.activation_peak_bytes, accumulate=accumulate)
+                    activation_bytes=facts.step.activation_peak_bytes, accumulate=accumulate, step=facts.step)
     seconds = predict_time(source, strategy, facts.step, cluster, gpus=world, nodes=1, facts=facts,
                            accumulate=accumulate)
     return {"step_s": seconds.total, "peak_mb": max(r.device_peak for r in ranks) / 2**20,

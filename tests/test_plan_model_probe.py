@@ -195,6 +195,52 @@ def test_checkpointing_keeps_each_blocks_input_and_recomputes_its_forward():
     assert ckpt.flops_backward == plain.flops_backward + 4 * (block_flops()[0] - B * T * 8 * C * C)
 
 
+def test_each_blocks_forward_flops_and_what_runs_before_and_after_them_are_counted_apart():
+    """The embeddings before the blocks make no matmul; each block costs block_flops()'s forward;
+    after the blocks, the head: 2·B·T·C·vocab. What is saved before the blocks (the token and
+    position indices the embeddings' backward reads) is the lead's, and a pipeline stage's shares
+    follow its blocks (block_regions.stage_shares): two blocks and the lead on the first, two
+    and the head on the last."""
+    from paratrain.plan.block_regions import stage_shares
+    model = source(GPT).build()
+    step = model_facts(source(GPT), B, T, activation_checkpointing=None).step
+    assert step.lead_flops == 0
+    assert step.block_flops == {f"blocks.{i}": block_flops()[0] for i in range(4)}
+    assert step.flops_forward - sum(step.block_flops.values()) == 2 * B * T * C * 50
+    assert 0 < step.lead_activation_bytes < min(step.block_activation_bytes.values())
+    first = [*model.tokens.parameters(), *model.positions.parameters(), *model.blocks[:2].parameters()]
+    last = [*model.blocks[2:].parameters(), *model.ln.parameters(), *model.head.parameters()]
+    flops, saved = stage_shares(step, model, [first, last])
+    assert flops[0] == pytest.approx(2 * block_flops()[0] / step.flops_forward)
+    assert flops[1] == pytest.approx((2 * block_flops()[0] + 2 * B * T * C * 50) / step.flops_forward)
+    blocks = step.block_activation_bytes
+    assert saved[0] == pytest.approx((step.lead_activation_bytes + blocks["blocks.0"] + blocks["blocks.1"])
+                                     / step.activation_bytes)
+    assert sum(saved) == pytest.approx(1.0) and saved[1] > saved[0]
+    assert stage_shares(step, model, [first]) is None  # blocks 2 and 3 on no stage: split evenly
+
+
+def test_a_pipelines_stages_split_the_activations_by_their_blocks_and_lose_none():
+    """GPipe holds every micro-batch on every stage. Split evenly, the stages' activations add up
+    to the transient peak; split by the stages' blocks (memory._pipeline), to the saved
+    activations, all of them, and the rest of the peak (the backward's gradients and
+    temporaries) once, for one of the 3 micro-batches, on the last stage, which holds more."""
+    import paratrain as pt
+    from paratrain.plan.memory import predict
+
+    step = model_facts(source(GPT), B, T, activation_checkpointing=None).step
+    cut = pt.Cut("blocks", embed=lambda m, idx: m.tokens(idx) + m.positions(torch.arange(idx.shape[1])),
+                 head=lambda m, x: m.head(m.ln(x)))
+    pipe = pt.Pipeline(stages=2, microbatches=3, schedule="gpipe", cut=cut)
+    even = predict(source(GPT).build(), pipe, world=2, activation_bytes=step.activation_peak_bytes)
+    split = predict(source(GPT).build(), pipe, world=2, activation_bytes=step.activation_peak_bytes, step=step)
+    assert even[0].activations == even[1].activations
+    rest = step.activation_peak_bytes - step.activation_bytes
+    assert sum(r.activations for r in split) == pytest.approx(step.activation_bytes + rest / 3, abs=2)
+    assert sum(r.activations for r in even) == pytest.approx(step.activation_peak_bytes, abs=2)
+    assert split[1].activations > split[0].activations
+
+
 def test_a_stack_counted_from_one_and_two_blocks_equals_the_whole_count():
     shortcut = model_facts(source(lambda: GPT(layers=5)), B, T)
     whole = model_facts(source(lambda: GPT(layers=5)), B, T, exact=True)

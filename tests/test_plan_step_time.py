@@ -115,6 +115,18 @@ def test_a_pipeline_step_is_m_plus_p_minus_one_slots():
     assert step.compute == 12.0 and step.bubble == 3.0 and step.total == (4 + 2 - 1) * 3.0
 
 
+def test_unequal_pipeline_stages_run_at_the_slowest_ones_pace():
+    """Shares 1/4 and 3/4 (a GPT's head on the last stage): slots of 1.5 s and 4.5 s. The
+    slowest stage runs all 4 micro-batches (18 s); the other's one slot is the bubble."""
+    compute = st.Compute(8.0, 16.0)
+    step = st.pipeline(compute, stages=2, microbatches=4, cut_bytes=0, replicas_group=Group(1),
+                       stage_bucket_bytes=[], stage_bucket_elements=[], cluster=cluster(), shares=[0.25, 0.75])
+    assert step.compute == 4 * 4.5 and step.bubble == 1.5 and step.total == 19.5
+    even = st.pipeline(compute, stages=2, microbatches=4, cut_bytes=0, replicas_group=Group(1),
+                       stage_bucket_bytes=[], stage_bucket_elements=[], cluster=cluster(), shares=[0.5, 0.5])
+    assert even.total == (4 + 2 - 1) * 3.0  # equal shares: the even split
+
+
 def test_elementwise_work_and_the_optimizer_step_take_their_rates():
     import dataclasses
 

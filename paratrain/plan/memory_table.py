@@ -34,16 +34,17 @@ def _microbatches(stages: int, replica_batch: int) -> int:
 
 def memory_rows(source: ModelSource, *, gpus: int, gpus_per_node: int | None, optimizer: str,
                 activation_bytes: int, chosen: list[Strategy] | None = None, foreach: bool = False,
-                accumulate: int = 1) -> list[dict]:
+                accumulate: int = 1, step=None) -> list[dict]:
     """One row per strategy (`chosen`, default `strategies(gpus)`): the figures of its fullest
-    rank (largest device_peak), or `error`; `accumulate` micro-batches per optimizer step."""
+    rank (largest device_peak), or `error`; `accumulate` micro-batches per optimizer step; `step`
+    the probe's count, which splits a pipeline's activations by stage (memory.predict)."""
     rows = []
     for strategy in chosen if chosen is not None else strategies(gpus):
         row: dict = {"strategy": strategy.name, "label": label(strategy)}
         try:
             ranks = predict(source.build(), strategy, world=gpus, optimizer=optimizer,
                             local_world=min(gpus_per_node or gpus, gpus), activation_bytes=activation_bytes,
-                            foreach=foreach, accumulate=accumulate)
+                            foreach=foreach, accumulate=accumulate, step=step)
         except ParatrainError as e:  # a strategy that does not fit this model or world
             rows.append({**row, "error": str(e)})
             continue

@@ -54,6 +54,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from paratrain.activation_checkpointing import Which, checkpoint_activations, select
 from paratrain.errors import ConfigError
+from paratrain.plan.block_regions import BlockRegions
 from paratrain.plan.fake_step import CPU_ATTENTION_FLOPS, Lifetimes, faked, fused_attention
 from paratrain.plan.matmuls import Matmuls, Recorder, Traffic, extend_matmuls, scaling
 from paratrain.plan.model_source import ModelSource
@@ -71,6 +72,9 @@ class StepCount:
     block_activation_bytes: dict[str, int]  # of those, the bytes saved while each block ran
     block_output_bytes: dict[str, int] = field(default_factory=dict)  # each block's output: what a
     # pipeline cut after it sends forward (and its gradient back), for the whole batch
+    block_flops: dict[str, int] = field(default_factory=dict)  # forward FLOPs while each block ran
+    lead_flops: int = 0  # forward FLOPs before the first block (block_regions.py)
+    lead_activation_bytes: int = 0  # saved before the first block
     transient_bytes: int = 0  # the most held at once beyond parameters, buffers and their gradients
     checkpointed: tuple[str, ...] = ()  # the modules whose activations were checkpointed
     extended: bool = False  # counted from copies of the model cut to 1 and 2 blocks (repeated_blocks.py)
@@ -177,7 +181,8 @@ def _count(source: ModelSource, model: nn.Module, *, stack: Stack | None, blocks
                      transient_bytes=extend(one.transient_bytes, two.transient_bytes, stack),
                      block_activation_bytes=extend_blocks(two.block_activation_bytes, stack),
                      block_output_bytes=extend_blocks(two.block_output_bytes, stack),
-                     checkpointed=checkpointed, extended=True)
+                     block_flops=extend_blocks(two.block_flops, stack), lead_flops=two.lead_flops,
+                     lead_activation_bytes=two.lead_activation_bytes, checkpointed=checkpointed, extended=True)
 
 
 def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | None, precision: str = "32",
@@ -191,20 +196,17 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
     present = dict(model.named_modules())
     blocks = tuple(name for name in blocks if name in present)  # a cut stack holds fewer
     saved: dict[StorageWeakRef, int] = {}
-    by_block: dict[str, int] = {name: 0 for name in blocks}
-    outputs: dict[str, int] = {}
-    running: list[str] = []  # the block whose forward is running, if any
+    regions = BlockRegions(present, blocks)
     mode = FakeTensorMode()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ref = StorageWeakRef(t.untyped_storage())
         if ref not in state and ref not in saved:
             saved[ref] = t.untyped_storage().nbytes()
-            if running:
-                by_block[running[-1]] += saved[ref]
+            regions.save(saved[ref])
         return t
 
-    handles = _track_blocks(present, blocks, running, outputs)
+    handles = regions.hooks()
     autocast = PRECISIONS[precision]
     try:
         with faked(model, mode) as state, mode, fused_attention():
@@ -213,7 +215,9 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
                 with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as forward, \
                         Recorder() as forward_work, torch.autograd.graph.saved_tensors_hooks(pack, _same), \
                         (torch.autocast("cpu", dtype=autocast) if autocast else nullcontext()):
+                    regions.counter = forward
                     loss = _loss(model(*args, **kwargs), loss_fn)
+                regions.counter = None
                 with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as backward, \
                         Recorder() as backward_work:
                     loss.backward()
@@ -224,8 +228,9 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
         for handle in handles:
             handle.remove()
     counted = StepCount(flops_forward=forward.get_total_flops(), flops_backward=backward.get_total_flops(),
-                        activation_bytes=sum(saved.values()), block_activation_bytes=by_block,
-                        block_output_bytes=outputs, checkpointed=checkpointed, transient_bytes=transient)
+                        activation_bytes=sum(saved.values()), block_activation_bytes=regions.saved,
+                        block_output_bytes=regions.outputs, block_flops=regions.flops, lead_flops=regions.lead_flops,
+                        lead_activation_bytes=regions.lead_saved, checkpointed=checkpointed, transient_bytes=transient)
     return counted, _recorded(forward_work, backward_work)
 
 
@@ -267,23 +272,6 @@ def _blocks(model: nn.Module) -> tuple[str, ...]:
         return tuple(name for name, _ in select(model, "auto"))
     except ConfigError:
         return ()
-
-
-def _track_blocks(modules: dict[str, nn.Module], blocks: tuple[str, ...], running: list[str],
-                  outputs: dict[str, int]) -> list:
-    """Hooks that keep `running` naming the block whose forward is running, and record each
-    block's output bytes in `outputs`. They fire around the module's call, so a checkpointed
-    block's saved inputs are its own."""
-    def leave(module, args, output, name) -> None:  # a forward hook's return value would replace the output
-        running.pop()
-        outputs[name] = sum(t.numel() * t.element_size() for t in tree_leaves(output) if torch.is_tensor(t))
-
-    handles = []
-    for name in blocks:
-        block = modules[name]
-        handles.append(block.register_forward_pre_hook(lambda module, args, name=name: running.append(name)))
-        handles.append(block.register_forward_hook(functools.partial(leave, name=name), always_call=True))
-    return handles
 
 
 def _loss(output, loss_fn) -> torch.Tensor:

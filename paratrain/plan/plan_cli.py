@@ -35,6 +35,11 @@ exit status 2, as everywhere in the CLI.
                                           parameters, buffers and their gradients (activations, their
                                           gradients, temporaries)
         block_activation_bytes            {block name: the part saved while it ran}
+        block_output_bytes                {block name: its output, what a pipeline cut after it sends}
+        block_flops                       {block name: the forward FLOPs while it ran}
+        lead_flops, lead_activation_bytes forward FLOPs and saved bytes before the first block
+                                          (the rest, after the last: a pipeline's last stage)
+        extended                          counted from copies cut to 1 and 2 blocks (see notes)
         matmuls                           [[[phase, b, m, k, n, [which of b, m, k, n follow the
                                           batch]], count], ...]: b products of (m × k) @ (k × n)
                                           (plan/matmuls.py)
@@ -211,7 +216,7 @@ def _memory(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None
         return plan_rows(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer, nodes=nodes,
                          accumulate=args.accumulate)
     return memory_rows(resolve(args.model), gpus=args.gpus, optimizer=args.optimizer, gpus_per_node=args.gpus // nodes,
-                       activation_bytes=facts.step.activation_peak_bytes, accumulate=args.accumulate)
+                       activation_bytes=facts.step.activation_peak_bytes, accumulate=args.accumulate, step=facts.step)
 
 
 def to_json(facts: ModelFacts | None, cluster: Cluster | None, calibrated: str | None) -> dict:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from torch import nn
+
 from paratrain.errors import ConfigError
 from paratrain.parallel.base import Strategy
 from paratrain.parallel.ddp import DDP
@@ -24,6 +26,7 @@ from paratrain.parallel.hierarchical import Hierarchical
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.zero import ZeRO
 from paratrain.plan import step_time
+from paratrain.plan.block_regions import stage_shares
 from paratrain.plan.cluster import Cluster
 from paratrain.plan.comm_model import Group
 from paratrain.plan.memory_table import memory_rows, strategies
@@ -77,7 +80,7 @@ def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Clus
           *, gpus: int, nodes: int, optimizer: str, accumulate: int) -> list[dict]:
     memory = memory_rows(source, gpus=gpus, gpus_per_node=gpus // nodes, optimizer=optimizer,
                          activation_bytes=step.activation_peak_bytes, chosen=chosen,
-                         foreach=cluster.device == "cuda", accumulate=accumulate)
+                         foreach=cluster.device == "cuda", accumulate=accumulate, step=step)
     out = []
     for strategy, row in zip(chosen, memory):
         if "error" in row:
@@ -102,7 +105,7 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
                                    matmuls=step.matmuls, traffic=step.traffic, fraction=at_once)
     model = source.build()
     sent = traffic(model, strategy, world=gpus, local_world=gpus // nodes)
-    how = {"sent": sent, "cluster": cluster, "gpus": gpus, "nodes": nodes, "step": step}
+    how = {"sent": sent, "cluster": cluster, "gpus": gpus, "nodes": nodes, "step": step, "model": model}
     micro = compute.share(1 / accumulate)  # one micro-batch of the batch on one device
     seconds = _collectives(strategy, micro, sync=True, accumulate=accumulate, **how)
     if accumulate > 1:
@@ -126,7 +129,7 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
 
 
 def _collectives(strategy: Strategy, compute: step_time.Compute, *, sent, cluster: Cluster, gpus: int, nodes: int,
-                 step: StepCount, sync: bool, accumulate: int) -> step_time.StepTime:
+                 step: StepCount, sync: bool, accumulate: int, model: nn.Module) -> step_time.StepTime:
     """One backward's (micro-batch's) time: `compute` is its work on one device, `sync` False
     under no_sync() (the first accumulate − 1 micro-batches)."""
     elements, sizes = [n for n, _ in sent.buckets], [b for _, b in sent.buckets]
@@ -134,10 +137,12 @@ def _collectives(strategy: Strategy, compute: step_time.Compute, *, sent, cluste
     if isinstance(strategy, Pipeline):
         replicas = gpus // strategy.stages
         cut = max(step.block_output_bytes.values(), default=0) // (replicas * accumulate)
+        shares = stage_shares(step, model, strategy.holdings(model))
         return step_time.pipeline(compute.share(1 / replicas), stages=strategy.stages,
                                   microbatches=strategy.microbatches, cut_bytes=cut,
                                   replicas_group=Group(replicas if sync else 1), stage_bucket_bytes=sizes,
-                                  stage_bucket_elements=elements, cluster=cluster, same_node=nodes == 1)
+                                  stage_bucket_elements=elements, cluster=cluster, same_node=nodes == 1,
+                                  shares=shares[0] if shares is not None else None)
     share = compute.share(1 / gpus)
     scatter = cluster.backend != "gloo"  # zero/collectives.py: what measured faster on each backend
     if isinstance(strategy, ZeRO) and strategy.stage == 3:
@@ -216,7 +221,7 @@ def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gp
     def peak(n: int, strategy: Strategy, activations: int) -> int:
         row = memory_rows(source, gpus=n, gpus_per_node=min(n, cluster.gpus_per_node), optimizer=optimizer,
                           activation_bytes=activations, chosen=[strategy], foreach=cluster.device == "cuda",
-                          accumulate=accumulate)[0]
+                          accumulate=accumulate, step=step)[0]
         return row["device_peak"] if "error" not in row else 1 << 62
 
     ways = []

@@ -45,7 +45,9 @@ def at_batch(facts: ModelFacts, batch: int) -> ModelFacts:
             step, flops_forward=round(step.flops_forward * k), flops_backward=round(step.flops_backward * k),
             activation_bytes=round(step.activation_bytes * k), transient_bytes=round(step.transient_bytes * k),
             block_activation_bytes={n: round(b * k) for n, b in step.block_activation_bytes.items()},
-            block_output_bytes={n: round(b * k) for n, b in step.block_output_bytes.items()})
+            block_output_bytes={n: round(b * k) for n, b in step.block_output_bytes.items()},
+            block_flops={n: round(f * k) for n, f in step.block_flops.items()}, lead_flops=round(step.lead_flops * k),
+            lead_activation_bytes=round(step.lead_activation_bytes * k))
     return dataclasses.replace(facts, batch=batch, step=scaled(facts.step), checkpointed=scaled(facts.checkpointed))
 
 

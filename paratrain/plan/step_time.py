@@ -42,14 +42,17 @@ rank (c10d runs a group's collectives in the order issued). How each overlaps wi
     pipeline (GPipe and 1F1B alike, Narayanan et al., SC 2021, §2.2): m micro-batches over p
         stages take (m + p − 1) slots of one micro-batch's forward and backward on one stage,
         plus a send and a receive of the cut's activation (forward) and its gradient (backward)
-        per slot; the bubble is the (p − 1) slots. Replicas of a stage all-reduce its gradients
-        after the last micro-batch's backward, which hides a slot's backward of it.
+        per slot; the bubble is the (p − 1) slots. Stages that differ (a GPT's head on the last:
+        each stage's share of the forward FLOPs, block_regions.stage_shares) run at the slowest
+        one's pace: m of its slots and one of every other stage's. Replicas of a stage
+        all-reduce its gradients after the last micro-batch's backward, which hides a slot's
+        backward of it.
 
 On a CPU cluster nothing overlaps: gloo reduces and copies on the cores that compute, so every
 collective is exposed, and a node running more ranks than cores runs each collective that many
 times slower, as it does the compute (`on_cores`, from recommend.predict_time). What it leaves
 out: kernel launch and Python overhead, compute slowed by communication sharing memory
-bandwidth, and imbalance between stages.
+bandwidth, and, on shared cores, the cycles a pipeline's idle stage leaves to the others.
 """
 
 from __future__ import annotations
@@ -258,17 +261,22 @@ def zero3(compute: Compute, unit_elements: list[int], unit_bytes: list[int], gra
 
 def pipeline(compute: Compute, *, stages: int, microbatches: int, cut_bytes: int, replicas_group: Group,
              stage_bucket_bytes: list[int], stage_bucket_elements: list[int], cluster: Cluster,
-             same_node: bool = True) -> StepTime:
+             same_node: bool = True, shares: list[float] | None = None) -> StepTime:
     """A pipeline of `stages` stages, `microbatches` each; `compute` is one replica's batch over
-    the whole model, `cut_bytes` the activation one cut sends for that batch."""
-    slot = compute.share(1.0 / (stages * microbatches))
+    the whole model, `cut_bytes` the activation one cut sends for that batch, `shares` each
+    stage's part of the compute (block_regions.stage_shares; None: equal). The slowest stage
+    sets the pace: one micro-batch passes every stage once, then the other m − 1 follow at the
+    slowest stage's slot, m·slowest + Σ(other stages' slots), of which the others are bubble
+    (equal stages: (m + p − 1) slots, p − 1 of them bubble)."""
+    slots = [compute.share(share / microbatches) for share in shares or [1.0 / stages] * stages]
     message = comm_model.send_recv(cut_bytes / microbatches, cluster, same_node=same_node) if stages > 1 else 0.0
-    per_slot = slot.forward + slot.backward + 2 * message
-    busy = microbatches * (slot.forward + slot.backward)
+    per_slot = [slot.forward + slot.backward + 2 * message for slot in slots]
+    slowest = max(range(stages), key=lambda s: per_slot[s])
+    busy = microbatches * (slots[slowest].forward + slots[slowest].backward)
     if replicas_group.ranks > 1:
         times = [comm_model.all_reduce(b, replicas_group, cluster) for b in stage_bucket_bytes]
-        reduced = bucket_overlap(slot.backward, stage_bucket_elements, times)
+        reduced = bucket_overlap(slots[slowest].backward, stage_bucket_elements, times)
     else:
         times, reduced = [], 0.0
-    return StepTime(busy, microbatches * 2 * message + reduced, bubble=(stages - 1) * per_slot,
+    return StepTime(busy, microbatches * 2 * message + reduced, bubble=sum(per_slot) - per_slot[slowest],
                     comm=microbatches * 2 * message + sum(times))
