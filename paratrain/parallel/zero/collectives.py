@@ -35,9 +35,9 @@ def reduced_sums_for(elements: int, scatter: bool) -> ReducedSums | None:
     """A ReducedSums where each rank sees every reduction whole (`scatter`: reduce-scatters, which
     leave each rank its slice only) and the gradients reduced per step (`elements`) are few
     enough to gain: summing reads all Ψ reduced gradients where the owners' check reads Ψ/N, so
-    up to `ReducedSums.LIMIT` trainable elements, below which one sum costs less than the flag's
-    all-reduce (about 0.3-0.6 ms per step on gloo with bench/session.py's tiny model; summing 1M
-    floats, ~0.2 ms)."""
+    up to `ReducedSums.LIMIT` trainable elements, below which one sum costs less than the
+    owners' all-reduce of theirs (about 0.3-0.6 ms per step on gloo with bench/session.py's tiny
+    model; summing 1M floats, ~0.2 ms)."""
     return ReducedSums() if not scatter and elements <= ReducedSums.LIMIT else None
 
 
