@@ -267,8 +267,7 @@ MUTANTS = [
            ("tests/test_plan_step_time.py",)),
     Mutant("plan-pipeline-no-backward-rest", "the last stage holds none of the backward's transient bytes",
            "paratrain/plan/memory.py",
-           (("        extra = m.activation_bytes - kept if shares and s == strategy.stages - 1 else 0",
-             "        extra = 0"),),
+           (("        extra = rest if s == strategy.stages - 1 else 0", "        extra = 0"),),
            ("tests/test_plan_model_probe.py",)),
 ]
 

@@ -266,9 +266,11 @@ def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
     # with shares: each stage keeps its part of the saved activations for each micro-batch in
     # flight, and the last (the loss's end) also the backward's gradients and temporaries beyond
     # them, for one micro-batch; without, the transient peak evenly
-    kept = m.activation_bytes * m.step.activation_bytes / m.step.activation_peak_bytes if shares else 0
-    even = [m.activation_bytes / strategy.stages] * strategy.stages
-    saved = [kept * share for share in shares[1]] if shares else even
+    if shares:
+        kept = m.activation_bytes * m.step.activation_bytes / m.step.activation_peak_bytes
+        saved, rest = [kept * share for share in shares[1]], m.activation_bytes - kept
+    else:
+        saved, rest = [m.activation_bytes / strategy.stages] * strategy.stages, 0
     stages = []
     for s, held in enumerate(holdings):
         params = list({id(p): p for p in held}.values())
@@ -276,7 +278,7 @@ def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
         grads = sum(buffer_numel(b, 1) * b[0].dtype.itemsize for b in stage_layout(trainable))
         micro = strategy.microbatches
         in_flight = micro if strategy.schedule == "gpipe" else min(micro, strategy.stages - s)
-        extra = m.activation_bytes - kept if shares and s == strategy.stages - 1 else 0
+        extra = rest if s == strategy.stages - 1 else 0
         activations = round((saved[s] * in_flight + extra) / (replicas * micro * m.accumulate))
         plain = _plain(m.state, params, activations, m.foreach)
         stages.append(RankMemory(params=plain.params, grads=grads, optimizer=plain.optimizer,
