@@ -25,12 +25,21 @@ def _mean_in_a_new_tensor(state, bucket):
     return dist.all_reduce(mean, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+def _cpu_tensors_only() -> None:
+    """torch's powerSGD_hook calls torch.cuda.synchronize(bucket's device) whenever CUDA is
+    present (powerSGD_hook.py, its decompress callback), which raises for the CPU tensors these
+    gloo ranks train, under torch's DDP as under ours. On a machine with a GPU this rank process
+    (a fresh one per test) then says it has no CUDA, as the machines CI runs on."""
+    torch.cuda.is_available = lambda: False
+
+
 def _hook(kind: str, impl: str):
     """(state, hook) of one kind, fresh: PowerSGD's state (error feedback, warm start, its RNG)
     belongs to one DDP. Compression starts at step 2, after the bucket rebuild (torch asks that)."""
     if kind == "own-tensor":
         return None, _mean_in_a_new_tensor
     if kind == "powersgd":
+        _cpu_tensors_only()
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                        start_powerSGD_iter=2, min_compression_rate=0.5)
         return state, powersgd.powerSGD_hook

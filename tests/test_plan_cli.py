@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 
 import paratrain as pt
 from paratrain import cli
@@ -153,6 +154,7 @@ def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path, monke
                         matmul_grid=(8, 64), shape_seconds=0.003, optimizer_sizes=(2**10, 2**14),
                         cold_bytes=2**20)
     monkeypatch.setattr("paratrain.plan.plan_cli.QUICK", tiny)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this CPU's path, on a GPU machine too
     path = tmp_path / "here.json"
     code, out, err = run(capsys, "--calibrate", str(path), "--quick")
     assert code == 0 and f"wrote {path}" in out, err
@@ -169,6 +171,15 @@ def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path, monke
     assert all(row[3] > 0 for row in table) and cluster.matmul_rate("fp32")(64, 64, 64) == table[-1][3]
     assert [size for size, _ in cluster.optimizer_rates] == [2**10, 2**14]
     assert all(rate > 0 for _, rate in cluster.optimizer_rates) and cluster.traffic_rate > 0
+
+
+def test_calibrating_on_one_gpu_says_what_to_do(capsys, tmp_path, monkeypatch):
+    """nccl needs a GPU per rank, so one GPU cannot time a collective: refused before measuring."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, out, err = run(capsys, "--calibrate", str(tmp_path / "gpu.json"), "--quick")
+    assert code == 2 and "needs 2 ranks, and this machine has one GPU" in err, (code, err)
+    assert not (tmp_path / "gpu.json").exists()
 
 
 def test_a_transformers_config_file(capsys, tmp_path):
