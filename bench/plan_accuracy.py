@@ -50,7 +50,8 @@ from common import SEQ, add_force, file_rss_mb, make_batches, make_model, peak_r
 from paratrain.cpu_malloc import keep_freed_blocks  # noqa: E402
 from paratrain.plan.calibrate import Settings, calibrate  # noqa: E402
 from paratrain.plan.calibrate_compute import matmul_rates, optimizer_table  # noqa: E402
-from paratrain.plan.cluster import load_cluster, save_cluster  # noqa: E402
+from paratrain.plan.cluster import save_cluster  # noqa: E402
+from paratrain.plan.cluster_presets import load_cluster  # noqa: E402
 from paratrain.plan.memory import predict  # noqa: E402
 from paratrain.plan.model_probe import model_facts  # noqa: E402
 from paratrain.plan.model_source import resolve  # noqa: E402

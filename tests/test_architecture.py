@@ -25,7 +25,7 @@ LAYERS = [
      "weights", "export", "verify"},
     {"session_facts", "session"},
     # the planner (issue 12): above the strategies, whose layout code it reads
-    {"plan", "plan.cluster", "plan.comm_model", "plan.model_source", "plan.repeated_blocks", "plan.fake_step",
+    {"plan", "plan.cluster", "plan.cluster_presets", "plan.comm_model", "plan.model_source", "plan.repeated_blocks", "plan.fake_step",
      "plan.block_regions", "plan.model_probe", "plan.optimizer_state", "plan.matmuls", "plan.calibrate_compute",
      "plan.layouts", "plan.step_time", "plan.memory", "plan.memory_table", "plan.traffic", "plan.recommend",
      "plan.scaling"},

@@ -11,7 +11,8 @@ import torch
 import paratrain as pt
 from paratrain import cli
 from paratrain.plan import calibrate as cal
-from paratrain.plan.cluster import Link, load_cluster, preset
+from paratrain.plan.cluster import Link, save_cluster
+from paratrain.plan.cluster_presets import load_cluster, preset
 from paratrain.plan.comm_model import TERMS, ring_all_reduce_terms
 from paratrain.plan.memory import predict
 from paratrain.plan.model_probe import model_facts
@@ -90,12 +91,15 @@ def test_gpus_adds_each_strategys_memory_per_rank(capsys):
     code, out, _ = run(capsys, "models:MLP", "--batch", "8", "--gpus", "2", "--optimizer", "sgd-momentum", "--json")
     got = json.loads(out)
     assert code == 0
-    rows = {row["strategy"]: row for row in got["strategies"]}
-    assert list(rows) == ["ddp", "hierarchical", "zero1", "zero2", "zero3", "pipeline"]
-    assert "cuts an nn.Sequential" in rows["pipeline"]["error"]  # an MLP module is no Sequential
+    rows = {row["label"]: row for row in got["strategies"]}
+    assert [r["strategy"] for r in got["strategies"]] == ["ddp", "hierarchical"] + ["zero1", "zero2", "zero3"] * 2 + [
+        "pipeline"]
+    assert list(rows)[5:8] == ["zero1+offload", "zero2+offload", "zero3+offload"]  # no cluster: every row
+    assert "cuts an nn.Sequential" in got["strategies"][-1]["error"]  # an MLP module is no Sequential
     step = got["model"]["step"]
     activations = max(step["transient_bytes"], step["activation_bytes"])  # StepCount.activation_peak_bytes
-    for name, strategy in (("ddp", pt.DDP()), ("zero3", pt.ZeRO(stage=3))):
+    for name, strategy in (("ddp", pt.DDP()), ("zero3", pt.ZeRO(stage=3)),
+                           ("zero3+offload", pt.ZeRO(stage=3, offload=True))):
         want = predict(resolve("models:MLP").build(), strategy, world=2, optimizer="sgd-momentum",
                        activation_bytes=activations)[0]
         assert (rows[name]["params"], rows[name]["grads"], rows[name]["optimizer"]) == \
@@ -105,8 +109,9 @@ def test_gpus_adds_each_strategys_memory_per_rank(capsys):
 
     code, out, _ = run(capsys, "models:MLP", "--gpus", "1")
     assert code == 0 and "memory per rank on 1 device(s), adam" in out
-    assert [line.split()[0] for line in out.splitlines()[-6:]] == \
-        ["single", "ddp", "hierarchical", "zero1", "zero2", "zero3"]  # no pipeline of one stage
+    assert [line.split()[0] for line in out.splitlines()[-9:]] == ["single", "ddp", "hierarchical", "zero1", "zero2",
+                                                                   "zero3", "zero1+offload", "zero2+offload",
+                                                                   "zero3+offload"]  # no pipeline of one stage
 
 
 def test_a_transformers_preset_with_checkpointing(capsys):
@@ -223,6 +228,35 @@ def test_gpus_and_a_cluster_time_each_strategy_and_recommend_the_fastest_that_fi
     assert by["zero3"]["comm_seconds"] > by["ddp"]["comm_seconds"] and by["zero3"]["device_peak"] < by["ddp"]["device_peak"]
 
 
+def test_offload_rows_step_on_the_host_and_copy_over_its_link(capsys, tmp_path):
+    """On a GPU cluster ZeRO's stages with offload are rows of their own: the host's cores step
+    this rank's shards (at the preset's host rate) and the copies over PCIe are exposed (step_time.
+    offload, by hand in test_plan_step_time); the device holds less. On a CPU cluster there are
+    none, and a node's host memory too small for the offloaded state does not fit."""
+    from paratrain.plan.traffic import traffic
+
+    argv = ("gpt2", "--gpus", "8", "--cluster", "h100-8x", "--batch", "8", "--seq", "128", "--json")
+    plan = json.loads(run(capsys, *argv)[1])
+    by = {r["label"]: r for r in plan["strategies"]}
+    h100, model = preset("h100-8x"), resolve("gpt2").build()
+    for stage in (1, 2, 3):
+        plain, off = by[f"zero{stage}"], by[f"zero{stage}+offload"]
+        assert off["session"] == f"pt.Session(pt.ZeRO(stage={stage}, offload=True))"
+        shards = [max(1, n // 8) for n, _ in traffic(model, pt.ZeRO(stage=stage), world=8, local_world=8).buckets]
+        assert off["optimizer_seconds"] == pytest.approx(sum(shards) / h100.host_optimizer_rate)
+        moves = 1 + (2 if stage == 3 else 1)  # the gradients down; the shards up after the step, or at each gather
+        copies = moves * (4 * sum(shards) / h100.host_link.bandwidth + len(shards) * h100.host_link.latency)
+        assert off["exposed_comm_seconds"] == pytest.approx(plain["exposed_comm_seconds"] + copies)
+        assert off["compute_seconds"] == plain["compute_seconds"] and off["host"] > 0 == plain["host"]
+        assert off["device_peak"] < plain["device_peak"] and off["fits"]
+    small = tmp_path / "small_host.json"
+    save_cluster(dataclasses.replace(h100, host_memory=by["zero3+offload"]["host"] * 8 - 1), small)
+    tight = {r["label"]: r for r in json.loads(run(capsys, *argv[:4], str(small), *argv[5:])[1])["strategies"]}
+    assert not tight["zero3+offload"]["fits"] and tight["zero3"]["fits"]
+    cpu = json.loads(run(capsys, *argv[:4], "cpu-here", *argv[5:])[1])
+    assert not [r for r in cpu["strategies"] if "offload" in r["label"]]
+
+
 def test_accumulate_runs_the_batch_as_micro_batches_and_synchronises_once(capsys):
     """--accumulate 4: the same optimizer step of 16 samples as 4 micro-batches of 4, so a quarter of
     the activations, the same state, ddp's all-reduce once and zero3's gathers in every one."""
@@ -230,8 +264,8 @@ def test_accumulate_runs_the_batch_as_micro_batches_and_synchronises_once(capsys
     one = json.loads(run(capsys, *base)[1])
     four = json.loads(run(capsys, *base, "--accumulate", "4")[1])
     assert (one["accumulate"], four["accumulate"]) == (1, 4) and four["model"] == one["model"]
-    by_one = {r["strategy"]: r for r in one["strategies"] if r["strategy"] != "pipeline"}
-    by_four = {r["strategy"]: r for r in four["strategies"] if r["strategy"] != "pipeline"}
+    by_one = {r["label"]: r for r in one["strategies"] if r["strategy"] != "pipeline"}
+    by_four = {r["label"]: r for r in four["strategies"] if r["strategy"] != "pipeline"}
     for name, row in by_four.items():
         was = by_one[name]
         assert row["session"] == was["session"][:-1] + ", accumulate=4)"
@@ -263,7 +297,7 @@ def test_a_model_that_fits_nowhere_says_what_would_fit(capsys):
 
 
 def test_png_draws_throughput_and_memory_from_1_to_1024_devices(capsys, tmp_path):
-    from paratrain.plan.scaling import COUNTS, at_batch, scaling
+    from paratrain.plan.scaling import COUNTS, at_batch, leaders, line_name, scaling
 
     png = tmp_path / "scaling.png"
     code, out, err = run(capsys, "models:MLP", "--batch", "8", "--gpus", "2", "--cluster", "a100-8x", "--png", str(png))
@@ -278,6 +312,12 @@ def test_png_draws_throughput_and_memory_from_1_to_1024_devices(capsys, tmp_path
     assert sorted(points) == list(COUNTS) == [2**k for k in range(11)]
     ddp = {n: next(r for r in rows if r["strategy"] == "ddp") for n, rows in points.items()}
     assert ddp[1]["exposed_comm_seconds"] == 0 and ddp[16]["exposed_comm_seconds"] > ddp[8]["exposed_comm_seconds"]
+    # one line per strategy across the counts (not per label: a pipeline's changes with them), offload apart
+    lines = [line_name(r) for r in points[8] if "error" not in r]
+    assert len(lines) == len(set(lines)) and {"zero3", "zero3+offload"} <= set(lines)
+    by_line = {line_name(r): r for r in points[8] if "error" not in r}
+    assert leaders(points[8], 20) == sorted(lines, key=lambda name: (by_line[name]["fits"],
+                                                                   by_line[name]["per_device_per_second"]), reverse=True)
     code, _, err = run(capsys, "models:MLP", "--gpus", "2", "--png", str(png))  # no cluster to time on
     assert code == 2 and "--png draws the strategies' predictions: give --gpus N and --cluster too" in err
 

@@ -19,7 +19,8 @@ import pytest
 
 from paratrain.errors import ConfigError
 from paratrain.plan import comm_model as cm
-from paratrain.plan.cluster import PRESETS, Cluster, Link, load_cluster, preset, save_cluster
+from paratrain.plan.cluster import Cluster, Link, save_cluster
+from paratrain.plan.cluster_presets import PRESETS, load_cluster, preset
 
 S = 1e6
 ALPHA, BETA = 10e-6, 1e9

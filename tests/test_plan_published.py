@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from paratrain.plan.cluster import GB, from_dict, preset
+from paratrain.plan.cluster import GB, from_dict
+from paratrain.plan.cluster_presets import preset
 from paratrain.plan.model_probe import model_facts
 from paratrain.plan.model_source import from_config
 

@@ -185,3 +185,14 @@ def test_the_optimizer_steps_each_tensor_at_its_sizes_calibrated_rate():
     assert st.optimizer_seconds(sum(both) // 2, hand, world=2, tensors=both) == pytest.approx(seconds / 2)
     assert st.optimizer_seconds(sum(both), hand, world=4, tensors=both) == pytest.approx(2 * seconds)
     assert st.optimizer_seconds(sum(both), hand, world=2) == pytest.approx(sum(both) / 5e5)  # no sizes: the flat rate
+
+
+def test_offload_steps_on_the_host_and_copies_each_shard_down_once_and_up_at_each_gather():
+    host = dataclasses.replace(cluster(), host_link=Link(1e9, 1e-5), host_optimizer_rate=1e6)
+    # 30 elements of 4 bytes in two shards: down once, up once (zero1, 2) or at 4 gathers (zero3,
+    # 2 micro-batches); each copy of each shard pays the link's latency
+    assert st.offload([10, 20], 4, host, gathers=1) == pytest.approx((30e-6, 2 * (120e-9 + 2e-5)))
+    assert st.offload([10, 20], 4, host, gathers=4) == pytest.approx((30e-6, 5 * (120e-9 + 2e-5)))
+    # no host link (a CPU cluster: its memory is the host's), or no host rate: nothing to add
+    assert st.offload([10, 20], 4, cluster(), gathers=1) == (0.0, 0.0)
+    assert st.offload([10, 20], 4, dataclasses.replace(host, host_optimizer_rate=0.0), gathers=1) == (0.0, 0.0)

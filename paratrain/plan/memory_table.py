@@ -18,12 +18,15 @@ FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activati
            "fresh_grads", "comm_at_start")
 
 
-def strategies(gpus: int, batch: int | None = None) -> list[Strategy]:
-    """What the table compares on `gpus` ranks: each data-parallel strategy, a pipeline over every
-    rank and, from 4 ranks, pipelines of 2 stages times gpus/2 replicas; a pipeline's
-    micro-batches are the most, up to 4 per stage, that divide its replica's share of `batch`."""
+def strategies(gpus: int, batch: int | None = None, offload: bool = True) -> list[Strategy]:
+    """What the table compares on `gpus` ranks: each data-parallel strategy (ZeRO's stages also
+    with `offload`, unless told not to: on a CPU cluster there is no other memory to offload to),
+    a pipeline over every rank and, from 4 ranks, pipelines of 2 stages times gpus/2 replicas; a
+    pipeline's micro-batches are the most, up to 4 per stage, that divide its replica's share of
+    `batch`."""
     chosen: list[Strategy] = [Single()] if gpus == 1 else []
-    chosen += [DDP(), Hierarchical(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3)]
+    chosen += [DDP(), Hierarchical(), *(ZeRO(stage=k, offload=o) for o in (False, True)[:1 + offload]
+                                        for k in (1, 2, 3))]
     stages = [] if gpus == 1 else [gpus, 2] if gpus >= 4 and gpus % 2 == 0 else [gpus]
     return chosen + [Pipeline(stages=s, microbatches=_microbatches(s, (batch or 4 * s) * s // gpus)) for s in stages]
 
@@ -57,7 +60,7 @@ def label(strategy: Strategy) -> str:
     """The strategy's name in a table: a pipeline with its stages and micro-batches."""
     if isinstance(strategy, Pipeline):
         return f"pipeline {strategy.stages}x{strategy.microbatches}"
-    return strategy.name
+    return strategy.name + ("+offload" if isinstance(strategy, ZeRO) and strategy.offload else "")
 
 
 def _figures(memory: RankMemory) -> dict:

@@ -62,7 +62,9 @@ exit status 2, as everywhere in the CLI.
                       --optimizer's state, --batch split over the ranks and --accumulate's
                       micro-batches), for its fullest rank:
       strategy, label, rank  the strategy's name; as the table shows it (a pipeline: "pipeline
-                      SxM", stages × micro-batches); the rank whose device_peak is largest
+                      SxM", stages × micro-batches; ZeRO with offload: "zero3+offload", rows
+                      left out on a cluster without a host link); the rank whose device_peak
+                      is largest
       params, grads, optimizer   exact bytes at rest (after a step, before zero_grad)
       comm_buffers, gathered     upper bounds of what backward / ZeRO-3's gathers add
       activations                approximate: the step's transient_bytes (at least its
@@ -80,9 +82,11 @@ exit status 2, as everywhere in the CLI.
       with --cluster too:
       activation_checkpointing   whether this row checkpoints (tried when it does not fit without)
       session         the pt.Session(...) line that runs it
-      fits            device_peak is within the cluster's device memory
+      fits            device_peak is within the cluster's device memory, and host times the
+                      devices per node within its host memory
       step_seconds    compute_seconds + exposed_comm_seconds + bubble_seconds + optimizer_seconds
-                      (step_time.py; compute includes the element-wise work)
+                      (step_time.py; compute includes the element-wise work; with offload the
+                      optimizer is the host's and the copies over its link are exposed comm)
       comm_seconds    every collective's time, hidden by compute or not
       per_device_per_second      tokens (or samples, without a sequence) per second per device
       mfu             the model's FLOPs per step / (step_seconds × devices × peak FLOP/s)
@@ -100,8 +104,8 @@ from pathlib import Path
 
 from paratrain.errors import ConfigError
 from paratrain.plan.calibrate import Settings, calibrate
-from paratrain.plan.cluster import PRESETS as CLUSTERS
-from paratrain.plan.cluster import Cluster, load_cluster, save_cluster
+from paratrain.plan.cluster import Cluster, save_cluster
+from paratrain.plan.cluster_presets import PRESETS as CLUSTERS, load_cluster
 from paratrain.plan.optimizer_state import OPTIMIZERS
 from paratrain.plan.memory_table import describe_memory, memory_rows
 from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts

@@ -43,7 +43,7 @@ def plan_rows(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus:
     the devices spread evenly over `nodes` (default: nodes_for's); `accumulate` micro-batches
     per optimizer step."""
     nodes = nodes_for(gpus, cluster, nodes)
-    chosen = strategies(gpus, facts.batch // accumulate)
+    chosen = strategies(gpus, facts.batch // accumulate, offload=cluster.host_link is not None)
     how = {"gpus": gpus, "nodes": nodes, "optimizer": optimizer, "accumulate": accumulate}
     plain = _rows(source, facts, facts.step, cluster, chosen, **how)
     if facts.checkpointed is None:
@@ -90,7 +90,8 @@ def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Clus
                                accumulate=accumulate)
         out.append({**row, "activation_checkpointing": bool(step.checkpointed),
                     "session": session_line(strategy, step, facts.precision, accumulate),
-                    "fits": row["device_peak"] <= cluster.device_memory, **_speed(seconds, facts, cluster, gpus)})
+                    "fits": row["device_peak"] <= cluster.device_memory and row["host"] * gpus // nodes <= cluster.host_memory,
+                    **_speed(seconds, facts, cluster, gpus)})
     return out
 
 
@@ -117,6 +118,10 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
         stepped //= gpus  # each rank steps its slice: one flat shard per bucket (unit)
         tensors = [max(1, n // gpus) for n, _ in sent.buckets] or tensors
     optimizer = step_time.optimizer_seconds(stepped, cluster, world=gpus, nodes=nodes, tensors=tensors)
+    host = (0.0, 0.0)
+    if isinstance(strategy, ZeRO) and strategy.offload:  # the masters' dtype: the parameters' own
+        size = next(p.element_size() for p in model.parameters() if p.requires_grad)
+        host = step_time.offload(tensors, size, cluster, gathers=2 * accumulate if strategy.stage == 3 else 1)
     held = sum(b for _, b in sent.buckets)  # the gradient buffers (zero3: its units, whole)
     backwards = accumulate * (strategy.microbatches if isinstance(strategy, Pipeline) else 1)
     copied = backwards * step_time.gradient_copy(held, cluster, world=gpus, nodes=nodes)  # each adds its gradients
@@ -125,6 +130,9 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
     seconds = dataclasses.replace(seconds, compute=seconds.compute + copied)
     if cluster.device == "cpu":  # gloo reduces on the cores that compute (step_time.py)
         seconds = step_time.on_cores(seconds, step_time.sharing(cluster, world=gpus, nodes=nodes))
+    if host != (0.0, 0.0):  # offload: the host steps, and the copies to and from it are exposed
+        optimizer = host[0]
+        seconds = dataclasses.replace(seconds, comm=seconds.comm + host[1], exposed_comm=seconds.exposed_comm + host[1])
     return dataclasses.replace(seconds, optimizer=optimizer)
 
 
@@ -171,6 +179,8 @@ def session_line(strategy: Strategy, step: StepCount, precision: str = "32", acc
     if isinstance(strategy, Pipeline):
         name = (f"pt.Pipeline(stages={strategy.stages}, schedule={strategy.schedule!r}, "
                 f"microbatches={strategy.microbatches})")
+    elif isinstance(strategy, ZeRO) and strategy.offload:
+        name = f"pt.ZeRO(stage={strategy.stage}, offload=True)"
     else:
         name = repr(strategy.name)
     ac = ", activation_checkpointing=\"auto\"" if step.checkpointed else ""
@@ -189,7 +199,8 @@ def describe_plan(rows: list[dict], *, gpus: int, cluster: Cluster, per: str, si
     """The text table of times and the recommendation; `per` names the unit (token or sample),
     `size` formats bytes."""
     lines = [f"step time per strategy on {gpus} {cluster.name} device(s) ({nodes_for(gpus, cluster, nodes)} node(s)); "
-             f"fits: device peak within {size(cluster.device_memory)}:",
+             f"fits: device peak within {size(cluster.device_memory)}, and offload's CPU memory within a node's "
+             f"{size(cluster.host_memory)}:",
              f"  {'strategy':<22}{'device peak':>12}{'fits':>6}{'step s':>10}{'compute':>10}{'exposed':>10}"
              f"{'bubble':>10}{'optimizer':>10}{per + 's/s/dev':>14}{'MFU':>7}"]
     for row in rows:
@@ -219,17 +230,20 @@ def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gp
     zero3 = ZeRO(stage=3)
 
     def peak(n: int, strategy: Strategy, activations: int) -> int:
-        row = memory_rows(source, gpus=n, gpus_per_node=min(n, cluster.gpus_per_node), optimizer=optimizer,
+        """The device peak; past any device where the node's host memory cannot hold the ranks' offload."""
+        per_node = min(n, cluster.gpus_per_node)
+        row = memory_rows(source, gpus=n, gpus_per_node=per_node, optimizer=optimizer,
                           activation_bytes=activations, chosen=[strategy], foreach=cluster.device == "cuda",
                           accumulate=accumulate, step=step)[0]
-        return row["device_peak"] if "error" not in row else 1 << 62
+        return row["device_peak"] if "error" not in row and row["host"] * per_node <= cluster.host_memory else 1 << 62
 
     ways = []
     more = next((n for n in (2 ** k for k in range(11)) if n > gpus and
                  peak(n, zero3, step.activation_peak_bytes) <= cluster.device_memory), None)
     if more:
         ways.append(f"{more} devices under zero3{ac}")
-    if peak(gpus, ZeRO(stage=3, offload=True), step.activation_peak_bytes) <= cluster.device_memory:
+    if cluster.host_link is not None and \
+            peak(gpus, ZeRO(stage=3, offload=True), step.activation_peak_bytes) <= cluster.device_memory:
         ways.append(f"zero3 with offload{ac} on {gpus}")
     fixed = peak(gpus, zero3, 0)
     per_sample = step.activation_peak_bytes / facts.batch

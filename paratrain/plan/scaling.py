@@ -55,7 +55,13 @@ def leaders(rows: list[dict], how_many: int = 3) -> list[str]:
     """The strategies with the most throughput per device among these rows (fitting first)."""
     ranked = sorted((r for r in rows if "error" not in r),
                     key=lambda r: (r["fits"], r["per_device_per_second"]), reverse=True)
-    return [r["strategy"] for r in ranked[:how_many]]
+    return [line_name(r) for r in ranked[:how_many]]
+
+
+def line_name(row: dict) -> str:
+    """What one line of the picture follows from count to count: the strategy (a pipeline's
+    stages and micro-batches change with the count), ZeRO with offload apart from without."""
+    return row["strategy"] + ("+offload" if row["label"].endswith("+offload") else "")
 
 
 def draw(points: dict[int, list[dict]], chosen: list[str], path: str, *, title: str, per: str,
@@ -71,7 +77,7 @@ def draw(points: dict[int, list[dict]], chosen: list[str], path: str, *, title: 
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in chosen:
         line = [(n, r) for n, rows in sorted(points.items()) for r in rows
-                if "error" not in r and r["strategy"] == name]
+                if "error" not in r and line_name(r) == name]
         if not line:
             continue
         xs = [n for n, _ in line]

@@ -11,7 +11,8 @@ residuals, the loss): where the cluster has a traffic rate, the bytes those ops 
 over it; else the saved activation bytes over the cluster's `elementwise_rate`, a third in the
 forward and two thirds in the backward. The optimizer step: the elements this rank steps over
 the cluster's `optimizer_rate` (or each tensor at its size's calibrated rate), after the
-backward (and before ZeRO-1/2's gather). Where the cluster has a traffic rate, each backward
+backward (and before ZeRO-1/2's gather); under ZeRO's offload, on the host, with the copies over
+its link exposed (`offload`). Where the cluster has a traffic rate, each backward
 also copies the gradients autograd made into the buffers the strategy reduces
 (`gradient_copy`), and ZeRO-3 moves its units' bytes locally besides (`zero3_local_copies`).
 Ranks beyond a node's devices share them (a CPU node running more ranks than cores): each then
@@ -170,6 +171,19 @@ def optimizer_seconds(elements: int, cluster: Cluster, *, world: int, nodes: int
         return elements * shared / (cluster.optimizer_rate or cluster.optimizer_rate_for(elements))
     seconds = sum(n / cluster.optimizer_rate_for(n) for n in tensors)
     return seconds * elements / sum(tensors) * shared
+
+
+def offload(shards: list[int], element_bytes: int, cluster: Cluster, *, gathers: int) -> tuple[float, float]:
+    """ZeRO's offload on a GPU cluster (stage12.py [Note: master shards], flat_shard.py): seconds of
+    (the host's optimizer step, the copies over the host link). This rank's `shards` (elements,
+    one per bucket or unit) step on the host; the reduced slices go down once per optimizer step,
+    and the updated shards come up once (stages 1, 2) or at each of ZeRO-3's `gathers`. The copies are
+    synchronous: exposed. (0, 0) where the cluster has no host link (a CPU's memory is the host's)."""
+    if cluster.host_link is None or not cluster.host_optimizer_rate:
+        return 0.0, 0.0
+    link, moves = cluster.host_link, 1 + gathers
+    copies = moves * (sum(shards) * element_bytes / link.bandwidth + len(shards) * link.latency)
+    return sum(shards) / cluster.host_optimizer_rate, copies
 
 
 def accumulated(last: StepTime, local: StepTime, k: int) -> StepTime:
