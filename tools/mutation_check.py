@@ -269,6 +269,14 @@ MUTANTS = [
            "paratrain/plan/memory.py",
            (("        extra = rest if s == strategy.stages - 1 else 0", "        extra = 0"),),
            ("tests/test_plan_model_probe.py",)),
+    # offload in the plan (step_time.offload, recommend.predict_time)
+    Mutant("plan-offload-one-gather", "ZeRO-3 with offload copies its shards up once, not at every gather",
+           "paratrain/plan/recommend.py",
+           (("gathers=2 * accumulate if strategy.stage == 3 else 1)", "gathers=1)"),),
+           ("tests/test_plan_cli.py",)),
+    Mutant("plan-offload-device-step", "offload's optimizer step is timed on the device, not the host",
+           "paratrain/plan/recommend.py", (("        optimizer = host[0]\n", ""),),
+           ("tests/test_plan_cli.py",)),
 ]
 
 
