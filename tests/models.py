@@ -181,3 +181,19 @@ def reference(name: str, optim: str, *, world: int, accumulate: int, steps: int,
         opt.step()
         opt.zero_grad()
     return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def mse_in_output_dtype(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """F.mse_loss with the target cast to the output's dtype: torch 2.9's backward of mse_loss
+    fails for a bf16 output against an fp32 target ("Found dtype Float but expected BFloat16"),
+    where 2.13's promotes (seen running the suite on torch 2.9.1)."""
+    return F.mse_loss(output, target.to(output.dtype))
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """`t`'s storage, or None for a tensor that has none: on torch 2.9 gc.get_objects() can hold an
+    undefined tensor, whose untyped_storage() raises NotImplementedError."""
+    try:
+        return t.untyped_storage()
+    except NotImplementedError:
+        return None

@@ -15,13 +15,13 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import paratrain as pt
 from paratrain.plan.memory import RankMemory, predict
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
 from paratrain.testing import run_on_ranks
+from models import mse_in_output_dtype, storage_of
 
 UNITS = pt.WrapPolicy(module_classes=(nn.Linear,))
 TINY = 0.0005  # MiB: a bucket cap of 524 bytes, so the model's gradients fill several buckets
@@ -59,8 +59,9 @@ def _storages(tensors) -> dict[int, int]:
     """Distinct storages of `tensors` that hold memory: data pointer → bytes."""
     out = {}
     for t in tensors:
-        if t is not None and t.untyped_storage().nbytes():
-            out[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        storage = storage_of(t) if t is not None else None
+        if storage is not None and storage.nbytes():
+            out[storage.data_ptr()] = storage.nbytes()
     return out
 
 
@@ -87,13 +88,13 @@ def _held(topo, strategy: pt.Strategy, optimizer: str, window: bool = False) -> 
     del model  # a pipeline rank keeps its stage only
     for _ in range(2):
         opt.zero_grad()
-        wrapped.forward_backward(x, y, F.mse_loss, 1.0)
+        wrapped.forward_backward(x, y, mse_in_output_dtype, 1.0)
         wrapped.reduced_finite()  # Session's step takes the finite check's sum before stepping
         opt.step()
     if window:
         opt.zero_grad()
         with wrapped.no_sync():
-            wrapped.forward_backward(x, y, F.mse_loss, 1.0)
+            wrapped.forward_backward(x, y, mse_in_output_dtype, 1.0)
     params = [*wrapped.parameters(), *(p for g in opt.param_groups for p in g["params"])]
     # at rest: alive in two reads 50 ms apart. One read in some tens saw a gathered unit's buffer
     # that was gone by the next gc pass (a reference a backend thread dropped an instant later)
@@ -109,8 +110,8 @@ def _held(topo, strategy: pt.Strategy, optimizer: str, window: bool = False) -> 
     out["unaccounted"] = sum(n for ptr, n in {**held["params"], **held["optimizer"]}.items() if ptr not in live)
     # for a failure's message: what is alive beyond parameters, optimizer state and .grad
     known = {**held["params"], **held["optimizer"], **held["via_grad"]}
-    out["unexplained"] = sorted((tuple(t.shape), str(t.dtype)) for t in _tensors()
-                                if (ptr := t.untyped_storage().data_ptr()) in live and ptr not in known)
+    out["unexplained"] = sorted((tuple(t.shape), str(t.dtype)) for t in _tensors() if (s := storage_of(t)) is not None
+                                and (ptr := s.data_ptr()) in live and ptr not in known)
     del keep
     return out
 

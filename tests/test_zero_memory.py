@@ -11,6 +11,7 @@ from torch import nn
 
 import paratrain as pt
 from paratrain.testing import run_on_ranks
+from models import mse_in_output_dtype, storage_of
 
 WIDTH, LAYERS = 63, 8  # sizes not divisible by 2 or 4: padding is counted too
 
@@ -29,8 +30,8 @@ def _live_storages() -> dict[int, int]:
     out = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            if storage.nbytes():
+            storage = storage_of(obj)
+            if storage is not None and storage.nbytes():
                 out[storage.data_ptr()] = storage.nbytes()
     return out
 
@@ -46,7 +47,7 @@ def _bytes_after_step(topo, stage, param_dtype=None, bound=None):
     policy = pt.WrapPolicy(module_classes=(nn.Linear,))
     model, opt = pt.shard(model, torch.optim.Adam(model.parameters(), lr=1e-3), stage=stage,
                           wrap_policy=policy, param_dtype=param_dtype)
-    F.mse_loss(model(x), x).backward()
+    mse_in_output_dtype(model(x), x).backward()
     opt.step()  # held now: parameters, gradients and optimizer state (before zero_grad)
     deadline = time.monotonic() + 2.0
     while (held := sum(n for ptr, n in _live_storages().items() if ptr not in before)) > (bound or held) \
