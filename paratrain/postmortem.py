@@ -89,7 +89,8 @@ def report(error: ChildFailedError, notes_dir: str) -> int:
 
 def read_ends(error: ChildFailedError, notes_dir: str) -> dict[int, RankEnd]:
     """The failed ranks, matched to their notes by pid, and the ranks of the same attempt that
-    exited with 0 (the agent does not list those)."""
+    exited with 0 (the agent does not list those), or that the launcher stopped, unlisted by torch
+    2.9's agent."""
     notes = {}
     for path in glob.glob(os.path.join(notes_dir, "*.json")):
         try:
@@ -103,7 +104,10 @@ def read_ends(error: ChildFailedError, notes_dir: str) -> dict[int, RankEnd]:
     attempt = max((e.note["attempt"] for e in ends.values() if e.note), default=None)
     for note in notes.values():
         if note["attempt"] == attempt and note["rank"] not in ends:
-            ends[note["rank"]] = RankEnd(note["rank"], 0, note["pid"], note, "")
+            # torch 2.9's agent does not list the ranks it stopped either: where it is, their stack
+            # (written on SIGTERM) says so, and their end is the signal's, as 2.13's agent reports it
+            stack = _read(notes_dir, note["pid"])
+            ends[note["rank"]] = RankEnd(note["rank"], -signal.SIGTERM if stack else 0, note["pid"], note, stack)
     return dict(sorted(ends.items()))
 
 

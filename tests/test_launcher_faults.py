@@ -4,6 +4,7 @@ one that gave up waiting for it, and a master port in use is reported as such.""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -145,6 +146,27 @@ IN_ALL_REDUCE = textwrap.dedent("""\
       File "/x/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
       File "/home/me/train.py", line 9 in <module>
 """).replace("/x/site-packages/torch/", os.path.dirname(torch.__file__) + "/")
+
+
+def test_a_stopped_rank_the_agent_does_not_list_is_read_as_stopped(tmp_path):
+    """torch 2.9's agent lists only the rank that failed, not those it then stopped: a rank whose
+    note is there without a failure is stopped (its SIGTERM stack was written), or exited with 0."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    for rank, pid, kind in ((0, 100, "running"), (1, 101, "collective"), (2, 102, "exit")):
+        (tmp_path / f"{pid}.json").write_text(json.dumps(dict(rank=rank, attempt=0, pid=pid, kind=kind, time=1.0)))
+        (tmp_path / f"{pid}.stack").write_text(IN_SLEEP if rank == 0 else "")  # made at start, written on SIGTERM
+    failed = ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=str(tmp_path / "none.json"))
+    ends = postmortem.read_ends(ChildFailedError("steps.py", {1: failed}), str(tmp_path))
+    assert [(e.rank, e.exitcode, bool(e.stack)) for e in ends.values()] == [(0, -signal.SIGTERM, True), (1, 1, False),
+                                                                            (2, 0, False)]
+    assert postmortem._stopped(ends[0]) and not postmortem._stopped(ends[2])
+
+
+IN_SLEEP = textwrap.dedent("""\
+    Current thread 0x1 (most recent call first):
+      File "/home/me/steps.py", line 9 in <module>
+""")
 
 
 def test_a_rank_own_exception_is_blamed_before_a_clean_exit():
