@@ -104,8 +104,8 @@ def read_ends(error: ChildFailedError, notes_dir: str) -> dict[int, RankEnd]:
     attempt = max((e.note["attempt"] for e in ends.values() if e.note), default=None)
     for note in notes.values():
         if note["attempt"] == attempt and note["rank"] not in ends:
-            # torch 2.9's agent does not list the ranks it stopped either: where it is, their stack
-            # (written on SIGTERM) says so, and their end is the signal's, as 2.13's agent reports it
+            # torch 2.9's agent does not list the ranks it stopped either: a stack (written only on
+            # SIGTERM) says this one was stopped, and its end is the signal's, as 2.13's agent says
             stack = _read(notes_dir, note["pid"])
             ends[note["rank"]] = RankEnd(note["rank"], -signal.SIGTERM if stack else 0, note["pid"], note, stack)
     return dict(sorted(ends.items()))

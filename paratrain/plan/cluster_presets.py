@@ -7,15 +7,16 @@ assumption (cluster.py).
 Offload's figures (`host_link`, `host_optimizer_rate`) are the host's: the GPU's PCIe link, at an
 assumed 80 % of its datasheet rate each way, and torch's Adam on CPU tensors, which moved about
 100 bytes of memory traffic per element stepped on the development machine (72 to 138 bytes'
-worth of a copy's bandwidth, at 2 and 1 threads): a node's memory bandwidth over its GPUs, / 100.
+worth of a copy's bandwidth, at 2 and 1 threads, measured once while the machine was busy): a
+node's memory bandwidth over its GPUs, / 100.
 """
 
 from __future__ import annotations
 
-from paratrain.errors import ConfigError
 import json
 from pathlib import Path
 
+from paratrain.errors import ConfigError
 from paratrain.plan.cluster import GB, TERA, Cluster, GiB, Link, from_dict
 
 # Adam reads and writes the parameter and both moments and reads the gradient: 28 bytes per fp32
