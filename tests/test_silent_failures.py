@@ -31,7 +31,8 @@ def _sgd(model):
 
 def _nan_gradient(topo, strategy, tmp, limit=None):
     """Rank 1's gradient of one weight turns NaN in the second step; the loss stays finite.
-    `limit`: ReducedSums.LIMIT for ZeRO (0: the check all-reduces a flag, whatever the size)."""
+    `limit`: ReducedSums.LIMIT for ZeRO (0: each rank sums its slice of each reduction, and the
+    slices' sums are all-reduced, whatever the size)."""
     if limit is not None:
         ReducedSums.LIMIT = limit
     hook = strategy.endswith("-fp16-hook")  # DDP's check then reads the buckets at the step
@@ -71,7 +72,7 @@ def _two_steps_the_second_poisoned(session, topo, poison, checkpoint=None):
                                              ("zero3", None), ("zero2", 0), ("zero3", 0)])
 def test_a_nan_gradient_stops_every_rank_before_the_step(strategy, limit, tmp_path):
     """ZeRO's small models: each rank sums the whole reductions it saw (ReducedSums); limit 0:
-    the owners check their slices and all-reduce a flag."""
+    each its slice of them, the slices' sums all-reduced."""
     for error, moved in run_on_ranks(_nan_gradient, 2, strategy, str(tmp_path), limit, timeout=120):
         assert error is not None and "gradient is NaN or infinite although the loss was finite" in error
         assert moved == 0  # no parameter changed
@@ -183,6 +184,33 @@ def _ddp_check_answer(topo, nan_check, hook, clip=None, limit=None):
     whole = sum(p.grad.double().sum() for p in model.parameters()).item()  # every averaged gradient
     assert math.isclose(answer.item(), whole, rel_tol=1e-4, abs_tol=1e-6), (answer.item(), whole)
     return math.isfinite(answer.item())
+
+
+def _zero_check_answer(topo, strategy, limit):
+    """What ZeRO's reduced_finite() says after one backward: the sum of every averaged gradient
+    (the gradients each rank holds, local_grads, summed over their holders); `limit` 0: each rank
+    sums its slice of each reduction as it completes, and the slices' sums are all-reduced."""
+    ReducedSums.LIMIT = limit
+    session = pt.Session(strategy, topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    model, _ = session.setup(model, _sgd(model))
+    x, y = XS[0].chunk(topo.world_size)[topo.rank], YS[0].chunk(topo.world_size)[topo.rank]
+    session.backward(F.cross_entropy(model(x), y))
+    answer = model.reduced_finite()
+    grads, group = model.local_grads()
+    held = torch.tensor(sum(g.double().sum().item() for g in grads), dtype=torch.float64)
+    if group is not None:
+        torch.distributed.all_reduce(held, group=group)
+    assert math.isclose(answer.item(), held.item(), rel_tol=1e-4, abs_tol=1e-6), (answer.item(), held.item())
+    return model._sums.share is not None if strategy == "zero3" else model._reduction.sums.share is not None
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_zero_sums_its_reductions_whole_or_by_slices_for_the_check(strategy):
+    """Under ReducedSums.LIMIT elements every rank sums each reduction whole; above it (limit 0)
+    its slice, the slices' sums all-reduced at the step: either way the sum of every gradient."""
+    assert run_on_ranks(_zero_check_answer, 3, strategy, ReducedSums.LIMIT) == [False] * 3
+    assert run_on_ranks(_zero_check_answer, 3, strategy, 0) == [True] * 3
 
 
 def test_ddp_sums_its_buckets_for_the_check_only_when_the_session_checks():

@@ -269,6 +269,11 @@ MUTANTS = [
            "paratrain/plan/memory.py",
            (("        extra = rest if s == strategy.stages - 1 else 0", "        extra = 0"),),
            ("tests/test_plan_model_probe.py",)),
+    Mutant("zero-sums-whole", "above the limit each ZeRO rank sums every reduction whole, not its slice",
+           "paratrain/parallel/zero/collectives.py",
+           (("    return ReducedSums((dist.get_rank(group), dist.get_world_size(group), group or dist.group.WORLD))",
+             "    return ReducedSums()"),),
+           ("tests/test_silent_failures.py",)),
     # offload in the plan (step_time.offload, recommend.predict_time)
     Mutant("plan-offload-one-gather", "ZeRO-3 with offload copies its shards up once, not at every gather",
            "paratrain/plan/recommend.py",

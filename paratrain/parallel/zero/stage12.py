@@ -251,7 +251,7 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, *, s
     where = dict(group=process_group, rank=dist.get_rank(process_group),
                  world=dist.get_world_size(process_group), group_of=group_of)
     where["sums"] = reduced_sums_for(sum(p.numel() for p in model.parameters() if p.requires_grad),
-                                     scatter=stage == 2 and collectives.reduce_scatter)
+                                     scatter=stage == 2 and collectives.reduce_scatter, group=process_group)
     reduction = OwnerReduction(**where) if stage == 1 else \
         ScatterToOwners(**where, reduce_scatter=collectives.reduce_scatter)
     wrapped = ZeroDataParallel(model, reduction=reduction, collectives=collectives, process_group=process_group,

@@ -82,12 +82,12 @@ class FullyShardedDataParallel(ParallelModule):
             module, wrap_policy.select(module), group_of, self._materialize, group=process_group, rank=self.rank,
             world=self.world, param_dtype=param_dtype, offload=offload, all_gather=self.collectives.all_gather)
         self.shards = nn.ParameterList([f.shard for u in self.units for f in u.flats])
-        self.state = TrainingState.IDLE
+        self.state, self.peak_gathered_bytes = TrainingState.IDLE, 0
         self._sync_this_backward = True  # decided by the forward that built the graph
         self._reducing: list[FlatShard] = []  # the gradient reduction in flight
         self._forward_order: list[Unit] = []
-        self.peak_gathered_bytes = 0
-        self._sums = reduced_sums_for(sum(f.padded for u in self.units for f in u.flats), self.collectives.reduce_scatter)
+        self._sums = reduced_sums_for(sum(f.padded for u in self.units for f in u.flats), self.collectives.reduce_scatter,
+                                      process_group)
         for unit in self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
