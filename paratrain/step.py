@@ -12,10 +12,10 @@ device as the gradients, so a micro-batch costs none):
                 hold the same averaged gradients everywhere, so each rank checks its own (and its
                 losses); sharded ones sum their gradients and all-reduce that one number
                 over the holders (a NaN or an infinity anywhere survives the sum), or, when
-                every rank saw each reduction whole and the model is small, each sums those
-                (ParallelModule.reduced_finite); DDP sums each bucket as its all-reduce
-                completes (buckets.AllReduce; a large model, its 1/N of each, and all-reduces
-                the sum). Each test of a sum is on the host, math.isfinite(sum.item()).
+                every rank saw each reduction whole (DDP; ZeRO on gloo), each sums those as
+                they complete (ParallelModule.reduced_finite; buckets.ReducedSums): a small
+                model every one whole, a large one its 1/N of each, and all-reduces the sum.
+                Each test of a sum is on the host, math.isfinite(sum.item()).
                 With clipping the global norm is that check.
                 Under fp16 a non-finite gradient is an overflow (skip); a non-finite loss still
                 stops the run.

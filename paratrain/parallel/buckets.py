@@ -76,12 +76,12 @@ class ReducedSums:
     NaN or infinite, with no second read of the gradients at the step and no collective (after a
     reduce-scatter only a slice's owner could tell, and a flag all-reduced over the ranks told the
     rest). Sums of finite values past the float range would be a false alarm, at gradients of
-    1e38. ZeRO uses it up to `LIMIT` trainable elements (zero/collectives.py, reduced_sums_for).
+    1e38. ZeRO uses it on gloo's all-reduce path (zero/collectives.py, reduced_sums_for).
 
     `share=(rank, world, group)`: every rank holds the same reduced buffers, so each sums only
     slice `rank` of `world` and take() sums the ranks' sums over `group` (a group, WORLD rather
     than None: comm.sum_over takes None for "nothing to reduce"): a read of Ψ/N instead of Ψ
-    for one all-reduce of a scalar (DDP above `LIMIT` elements; ddp.py watch_reductions)."""
+    for one all-reduce of a scalar (DDP and ZeRO above `LIMIT` elements; ddp.py watch_reductions)."""
 
     LIMIT = 1 << 20
 
