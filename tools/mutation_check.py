@@ -277,10 +277,10 @@ MUTANTS = [
     # offload in the plan (step_time.offload, recommend.predict_time)
     Mutant("plan-offload-one-gather", "ZeRO-3 with offload copies its shards up once, not at every gather",
            "paratrain/plan/recommend.py",
-           (("gathers=2 * accumulate if strategy.stage == 3 else 1)", "gathers=1)"),),
+           (("gathers = 2 * accumulate if strategy.stage == 3 else 1", "gathers = 1"),),
            ("tests/test_plan_cli.py",)),
     Mutant("plan-offload-device-step", "offload's optimizer step is timed on the device, not the host",
-           "paratrain/plan/recommend.py", (("        optimizer = host[0]\n", ""),),
+           "paratrain/plan/recommend.py", (("            optimizer = host_step\n", ""),),
            ("tests/test_plan_cli.py",)),
 ]
 

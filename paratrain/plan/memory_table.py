@@ -25,8 +25,8 @@ def strategies(gpus: int, batch: int | None = None, offload: bool = True) -> lis
     pipeline's micro-batches are the most, up to 4 per stage, that divide its replica's share of
     `batch`."""
     chosen: list[Strategy] = [Single()] if gpus == 1 else []
-    chosen += [DDP(), Hierarchical(), *(ZeRO(stage=k, offload=o) for o in (False, True)[:1 + offload]
-                                        for k in (1, 2, 3))]
+    chosen += [DDP(), Hierarchical(), *(ZeRO(stage=k) for k in (1, 2, 3))]
+    chosen += [ZeRO(stage=k, offload=True) for k in (1, 2, 3)] if offload else []
     stages = [] if gpus == 1 else [gpus, 2] if gpus >= 4 and gpus % 2 == 0 else [gpus]
     return chosen + [Pipeline(stages=s, microbatches=_microbatches(s, (batch or 4 * s) * s // gpus)) for s in stages]
 

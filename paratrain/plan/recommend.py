@@ -90,9 +90,14 @@ def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Clus
                                accumulate=accumulate)
         out.append({**row, "activation_checkpointing": bool(step.checkpointed),
                     "session": session_line(strategy, step, facts.precision, accumulate),
-                    "fits": row["device_peak"] <= cluster.device_memory and row["host"] * gpus // nodes <= cluster.host_memory,
+                    "fits": row["device_peak"] <= cluster.device_memory and _host_holds(row, cluster, gpus // nodes),
                     **_speed(seconds, facts, cluster, gpus)})
     return out
+
+
+def _host_holds(row: dict, cluster: Cluster, per_node: int) -> bool:
+    """Whether a node's host memory holds what its `per_node` ranks offload (row["host"] each)."""
+    return row["host"] * per_node <= cluster.host_memory
 
 
 def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, cluster: Cluster, *, gpus: int, nodes: int,
@@ -118,10 +123,6 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
         stepped //= gpus  # each rank steps its slice: one flat shard per bucket (unit)
         tensors = [max(1, n // gpus) for n, _ in sent.buckets] or tensors
     optimizer = step_time.optimizer_seconds(stepped, cluster, world=gpus, nodes=nodes, tensors=tensors)
-    host = (0.0, 0.0)
-    if isinstance(strategy, ZeRO) and strategy.offload:  # the masters' dtype: the parameters' own
-        size = next(p.element_size() for p in model.parameters() if p.requires_grad)
-        host = step_time.offload(tensors, size, cluster, gathers=2 * accumulate if strategy.stage == 3 else 1)
     held = sum(b for _, b in sent.buckets)  # the gradient buffers (zero3: its units, whole)
     backwards = accumulate * (strategy.microbatches if isinstance(strategy, Pipeline) else 1)
     copied = backwards * step_time.gradient_copy(held, cluster, world=gpus, nodes=nodes)  # each adds its gradients
@@ -130,9 +131,14 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
     seconds = dataclasses.replace(seconds, compute=seconds.compute + copied)
     if cluster.device == "cpu":  # gloo reduces on the cores that compute (step_time.py)
         seconds = step_time.on_cores(seconds, step_time.sharing(cluster, world=gpus, nodes=nodes))
-    if host != (0.0, 0.0):  # offload: the host steps, and the copies to and from it are exposed
-        optimizer = host[0]
-        seconds = dataclasses.replace(seconds, comm=seconds.comm + host[1], exposed_comm=seconds.exposed_comm + host[1])
+    if isinstance(strategy, ZeRO) and strategy.offload:  # the masters' dtype: the parameters' own
+        size = next(p.element_size() for p in model.parameters() if p.requires_grad)
+        gathers = 2 * accumulate if strategy.stage == 3 else 1
+        host_step, copies = step_time.offload(tensors, size, cluster, gathers=gathers)
+        if host_step:  # the host steps, and the copies to and from it are exposed (0: no host link)
+            optimizer = host_step
+            seconds = dataclasses.replace(seconds, comm=seconds.comm + copies,
+                                          exposed_comm=seconds.exposed_comm + copies)
     return dataclasses.replace(seconds, optimizer=optimizer)
 
 
@@ -235,7 +241,7 @@ def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gp
         row = memory_rows(source, gpus=n, gpus_per_node=per_node, optimizer=optimizer,
                           activation_bytes=activations, chosen=[strategy], foreach=cluster.device == "cuda",
                           accumulate=accumulate, step=step)[0]
-        return row["device_peak"] if "error" not in row and row["host"] * per_node <= cluster.host_memory else 1 << 62
+        return row["device_peak"] if "error" not in row and _host_holds(row, cluster, per_node) else 1 << 62
 
     ways = []
     more = next((n for n in (2 ** k for k in range(11)) if n > gpus and
