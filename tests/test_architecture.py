@@ -27,8 +27,8 @@ LAYERS = [
     # the planner (issue 12): above the strategies, whose layout code it reads
     {"plan", "plan.cluster", "plan.cluster_presets", "plan.comm_model", "plan.model_source", "plan.repeated_blocks", "plan.fake_step",
      "plan.block_regions", "plan.model_probe", "plan.optimizer_state", "plan.matmuls", "plan.calibrate_compute",
-     "plan.layouts", "plan.step_time", "plan.memory", "plan.memory_table", "plan.traffic", "plan.recommend",
-     "plan.scaling"},
+     "plan.layouts", "plan.zero3_backward", "plan.step_time", "plan.memory", "plan.memory_table", "plan.traffic",
+     "plan.recommend", "plan.scaling"},
     {"plan.calibrate", "plan.plan_cli",  # calibrate starts ranks with testing.run_on_ranks
      "launch", "envinfo", "ckpt_cli", "verify_cli", "cli", "testing", "__init__", "__main__"},
 ]

@@ -282,6 +282,15 @@ MUTANTS = [
     Mutant("plan-offload-device-step", "offload's optimizer step is timed on the device, not the host",
            "paratrain/plan/recommend.py", (("            optimizer = host_step\n", ""),),
            ("tests/test_plan_cli.py",)),
+    # ZeRO-3's backward walked flat by flat (plan/zero3_backward.py)
+    Mutant("plan-zero3-no-copy", "the walk forgets autograd's gradient while it is copied into a flat's buffer",
+           "paratrain/plan/zero3_backward.py",
+           (("return self.full + (0 if self.adopts else self.arrived)", "return self.full"),),
+           ("tests/test_plan_zero3_backward.py",)),
+    Mutant("plan-zero3-no-wait", "the walk forgets the previous flat's buffer, still reducing, as a gradient arrives",
+           "paratrain/plan/zero3_backward.py",
+           (("flat.arrived + (previous.full if previous else 0) + done", "flat.arrived + done"),),
+           ("tests/test_plan_zero3_backward.py",)),
 ]
 
 

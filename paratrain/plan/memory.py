@@ -27,7 +27,9 @@ from (the functions named are the ones the strategies themselves call):
 - comm_buffers: UPPER BOUND of transient storage during backward, beyond the at-rest figures:
   zero2's two largest full gradient buckets (one filling, one reducing; at the backward's start,
   when the activations peak, only the first is filling: `comm_at_start`); zero3's largest full
-  flat gradient (one at a time, stage3.py); hierarchical's phase-1 chunks, every bucket's at
+  flat gradient (one at a time, stage3.py) with, where the flat copies gradients in rather than
+  adopting autograd's (a flat of several parameters), autograd's gradient of its largest
+  parameter, there while it is copied; hierarchical's phase-1 chunks, every bucket's at
   once. Zero for ddp, zero1 and pipeline, whose buckets are the gradients. p2p receive buffers
   of a pipeline are activations, not counted here. With gradient accumulation (`accumulate` > 1:
   the backwards before the last run under no_sync()), zero2 keeps every full bucket and zero3
@@ -35,6 +37,12 @@ from (the functions named are the ones the strategies themselves call):
   last, so there they are all of them.
 - gathered: zero3 only, UPPER BOUND: the root unit's full parameters plus the two largest other
   units (the running one and the prefetched one; one without prefetch), in param_dtype.
+- late_backward: zero3 only, without accumulation: the most that gathered units, gradient buffers
+  and the shards' new gradients hold at once after the backward's start, from a walk over the
+  flats in the order their gradients arrive (zero3_backward.py), where `gathered + comm_buffers +
+  fresh_grads` would take the largest of each at once. The bench MLP's zero3 at world 4 (six
+  units, each copying a 16 MiB gradient into a 16 MiB buffer): 120 MiB predicted before against
+  134 measured; at world 2, 192 against 193, by two errors cancelling.
 - activations: APPROXIMATE: `activation_bytes` (model_probe's StepCount.activation_peak_bytes for
   the global batch: the most its forward and backward hold at once beyond the model's state, the
   saved activations, their gradients and temporaries) times this rank's share of the batch, 1/N,
@@ -70,15 +78,16 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.parallel.base import Strategy
-from paratrain.parallel.buckets import buffer_numel, padded_numel
+from paratrain.parallel.buckets import buffer_numel
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.hierarchical import Hierarchical
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.single import Single
 from paratrain.parallel.zero import ZeRO
 from paratrain.plan.block_regions import stage_shares
-from paratrain.plan.layouts import data_parallel_layout, stage_layout, zero3_flats, zero12_layout
+from paratrain.plan.layouts import data_parallel_layout, stage_layout, zero12_layout
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
+from paratrain.plan.zero3_backward import backward_peak, zero3_walk_flats
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,7 @@ class RankMemory:
     workspace: int = 0  # the optimizer step's temporaries on the device, approximate
     fresh_grads: int = 0  # of grads on the device: freed by zero_grad, made again in backward
     comm_at_start: int | None = None  # of comm_buffers, what the backward holds at its start (None: all)
+    late_backward: int | None = None  # zero3: the most held after the start (None: gathered + comm + fresh)
 
     @property
     def at_rest(self) -> int:
@@ -107,10 +117,12 @@ class RankMemory:
         activations, communication buffers and gathered units are freed). Gradients made again
         in every backward (`fresh_grads`: ZeRO-2's slices, ZeRO-3's shards) grow as the
         activations are freed: the backward holds the larger of the two, not their sum. So do
-        buffers made as it goes (`comm_at_start`: zero2 fills one gradient bucket at a time)."""
+        buffers made as it goes (`comm_at_start`: zero2 fills one gradient bucket at a time), and
+        zero3's units, whose walk (`late_backward`) gives what is held at once after the start."""
         fresh = self.fresh_grads
         start = self.comm_buffers if self.comm_at_start is None else self.comm_at_start
-        backward = self.gathered + max(self.activations + start, self.comm_buffers + fresh)
+        late = self.gathered + self.comm_buffers + fresh if self.late_backward is None else self.late_backward
+        backward = max(self.gathered + self.activations + start, late)
         return self.at_rest - self.host - fresh + max(backward, fresh + self.workspace)
 
 
@@ -232,22 +244,20 @@ def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
 
 def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
     """Stage 3 (stage3.py, flat_shard.py): one flat shard per unit and param group, and per big
-    root parameter (units.flats_by_unit)."""
-    full: dict[str, list[int]] = {}  # unit → its flats' full bytes
-    shards: list[tuple[int, torch.dtype]] = []  # each flat's shard: (elements, dtype)
-    for name, flats in zero3_flats(m.module, strategy, m.group_of).items():
-        for members in flats:
-            padded = padded_numel(sum(p.numel() for p in members), m.world)
-            shards.append((padded // m.world, members[0].dtype))
-            full.setdefault(name, []).append(padded * (strategy.param_dtype or members[0].dtype).itemsize)
+    root parameter (units.flats_by_unit); the backward walked flat by flat (zero3_backward.py)."""
+    flats = zero3_walk_flats(m.module, strategy, m.group_of, m.world)
+    shards = [f.stepped for f in flats]  # each flat's shard: (elements, dtype)
     shard_bytes = sum(n * dtype.itemsize for n, dtype in shards)
     optimizer = m.state.bytes(shards)
-    others = sorted((sum(b) for u, b in full.items() if u), reverse=True)[:2 if strategy.prefetch else 1]
-    flat_grads = [b for bs in full.values() for b in bs]  # one at a time; all of them while accumulating
+    full = {u: sum(f.full for f in flats if f.unit == u) for u in {f.unit for f in flats}}
+    others = sorted((b for u, b in full.items() if u), reverse=True)[:2 if strategy.prefetch else 1]
+    window = m.accumulate > 1  # every unit's full flat gradient held from the first backward to the last
     return RankMemory(params=m.frozen_bytes + shard_bytes, grads=shard_bytes, optimizer=optimizer,
                       fresh_grads=0 if strategy.offload else shard_bytes,
-                      comm_buffers=max(flat_grads, default=0) if m.accumulate == 1 else sum(flat_grads),
-                      gathered=sum(full.get("", [])) + sum(others),
+                      comm_buffers=sum(f.full for f in flats) if window else max((f.with_copy for f in flats),
+                                                                                  default=0),
+                      gathered=full.get("", 0) + sum(others),
+                      late_backward=None if window else backward_peak(flats, full, strategy.prefetch),
                       activations=m.activations,
                       host=2 * shard_bytes + optimizer if strategy.offload else 0,
                       workspace=0 if strategy.offload else m.state.workspace(shards, m.foreach))
