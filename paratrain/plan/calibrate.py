@@ -10,8 +10,9 @@ temporaries are mapped afresh, page by page, a varying part of the time.
 
 Phase 2, collectives: `Settings.world` ranks (testing.run_on_ranks: gloo on the CPU, nccl and one
 GPU each on a CUDA machine) run all-reduce, all-gather, reduce-scatter and broadcast on messages
-of `Settings.sizes` bytes; each point is the fastest of `Settings.trials` trials, each the mean
-time of `Settings.repeats` back-to-back calls started together (a barrier), on the slowest rank:
+of `Settings.sizes` bytes; each point is the fastest of `Settings.trials` trials (taken in passes
+over all the points), each the mean time of `Settings.repeats` back-to-back calls started together
+(a barrier), on the slowest rank:
 other work on the machine only ever adds time, so the fastest trial is the closest to the
 machine's own figure. comm_model.py says a collective costs `steps·α + volume·S/β` with steps and
 volume known for each (its `TERMS`), so α and 1/β come from a linear least-squares fit, each row
@@ -28,6 +29,7 @@ no GPU.)
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -86,34 +88,40 @@ def calibrate(settings: Settings = Settings(), *, name: str = "calibrated") -> C
 
 
 def time_collectives(topology: Topology, settings: Settings) -> dict[str, list[tuple[int, float]]]:
-    """On every rank: (bytes, seconds) of each collective at each size (module docstring)."""
+    """On every rank: (bytes, seconds) of each collective at each size (module docstring), the
+    trials taken in passes over every collective and size rather than back to back, so that a
+    slow spell of the machine costs each point one trial, not all of them."""
     n, device = topology.world_size, topology.device
-    out: dict[str, list[tuple[int, float]]] = {op: [] for op in TERMS}
+    points = []  # (op, bytes, call)
     for size in settings.gpu_sizes if device.type == "cuda" else settings.sizes:
         numel = max(n, size // 4 // n * n)  # float32, divisible by n
         whole = torch.ones(numel, device=device)
         piece = torch.ones(numel // n, device=device)
-        calls = {"all_reduce": lambda: dist.all_reduce(whole),
-                 "reduce_scatter": lambda: reduce_scatter_single(piece, whole),
-                 "all_gather": lambda: all_gather_single(whole, piece),
-                 "broadcast": lambda: dist.broadcast(whole, src=0)}
-        for op, call in calls.items():
-            out[op].append((numel * 4, _time(call, settings, device)))
+        points += [("all_reduce", numel * 4, functools.partial(dist.all_reduce, whole)),
+                   ("reduce_scatter", numel * 4, functools.partial(reduce_scatter_single, piece, whole)),
+                   ("all_gather", numel * 4, functools.partial(all_gather_single, whole, piece)),
+                   ("broadcast", numel * 4, functools.partial(dist.broadcast, whole, src=0))]
+    for _, _, call in points:
+        call()  # warm-up: connections, buffers
+    best = [float("inf")] * len(points)
+    for _ in range(settings.trials):
+        for i, (_, _, call) in enumerate(points):
+            best[i] = min(best[i], _time(call, settings, device))
+    out: dict[str, list[tuple[int, float]]] = {op: [] for op in TERMS}
+    for (op, nbytes, _), seconds in zip(points, best):
+        out[op].append((nbytes, seconds))
     return out
 
 
 def _time(call, settings: Settings, device: torch.device) -> float:
-    call()  # warm-up: connections, buffers
-    trials = []
-    for _ in range(settings.trials):
-        dist.barrier()
-        sync_device(device)
-        start = time.perf_counter()
-        for _ in range(settings.repeats):
-            call()
-        sync_device(device)
-        trials.append((time.perf_counter() - start) / settings.repeats)
-    return min(trials)
+    """Mean seconds of `settings.repeats` back-to-back calls, started together (a barrier)."""
+    dist.barrier()
+    sync_device(device)
+    start = time.perf_counter()
+    for _ in range(settings.repeats):
+        call()
+    sync_device(device)
+    return (time.perf_counter() - start) / settings.repeats
 
 
 def fit(points: list[tuple[int, float, Terms]]) -> Link:

@@ -25,7 +25,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class Settings:
-    """How long and how finely to measure (the defaults take about 45 s on a 2-core CPU)."""
+    """How long and how finely to measure (the defaults take about a minute on a 2-core CPU)."""
 
     sizes: tuple[int, ...] = (2**12, 2**15, 2**18, 2**20, 2**22)  # message bytes
     gpu_sizes: tuple[int, ...] = (2**12, 2**16, 2**20, 2**24, 2**28)  # NVLink needs large ones to show β
@@ -39,7 +39,7 @@ class Settings:
     # of about `shape_seconds` / 3 (and at least 1 product); a shape of more than `shape_cap`
     # multiply-adds is timed with its largest dimensions halved until it is under: large shapes'
     # rates have levelled off by then
-    matmul_grid: tuple[int, ...] = (32, 128, 512, 2048, 8192)
+    matmul_grid: tuple[int, ...] = (16, 32, 128, 512, 2048, 8192)
     gpu_matmul_grid: tuple[int, ...] = (256, 2048, 16384)
     shape_seconds: float = 0.06
     shape_cap: int = 2**32
@@ -66,30 +66,37 @@ def matmul_table(settings: Settings, device: torch.device, dtype: torch.dtype) -
     each product's operands out of cache, as in a training step (each layer's input and weight
     were last touched long before): the products cycle through copies of the operands cut from
     `Settings.cold_bytes` of random values. The same product repeated on one pair of operands ran
-    10-25 % faster here at the bench GPT's shapes."""
+    10-25 % faster here at the bench GPT's shapes.
+
+    Each shape's rate is the fastest of 3 trials, taken in 3 passes over the whole grid rather
+    than back to back: on this shared machine a slow spell of some seconds had made the 512-row
+    shapes of one calibration 38-49 % slower than another's, and the predictions with them."""
     grid = settings.gpu_matmul_grid if device.type == "cuda" else settings.matmul_grid
     cap = settings.gpu_shape_cap if device.type == "cuda" else settings.shape_cap
     size = torch.finfo(dtype).bits // 8
     pool = torch.randn(settings.cold_bytes // size, device=device).to(dtype)
-    outs = torch.empty_like(pool)
-    table = []
-    for m, k, n in itertools.product(grid, repeat=3):
-        timed = [m, k, n]
-        while timed[0] * timed[1] * timed[2] > cap:
-            largest = timed.index(max(timed))
-            timed[largest] //= 2
-        best = _cold_matmul_seconds(settings, device, pool, outs, *timed)
-        table.append([m, k, n, 2 * timed[0] * timed[1] * timed[2] / best])
-    return table
+    outs = torch.zeros_like(pool)  # its pages touched now, not by the first trials
+    shapes = list(itertools.product(grid, repeat=3))
+    best = dict.fromkeys(shapes, float("inf"))
+    for _ in range(3):
+        for shape in shapes:
+            timed = list(shape)
+            while timed[0] * timed[1] * timed[2] > cap:
+                largest = timed.index(max(timed))
+                timed[largest] //= 2
+            flops = 2 * timed[0] * timed[1] * timed[2]
+            best[shape] = min(best[shape], _cold_matmul_seconds(settings, device, pool, outs, *timed) / flops)
+    return [[m, k, n, 1 / best[(m, k, n)]] for m, k, n in shapes]
 
 
 def _cold_matmul_seconds(settings: Settings, device: torch.device, pool: torch.Tensor, outs: torch.Tensor,
                          m: int, k: int, n: int) -> float:
-    """Seconds of one (m × k) @ (k × n), cycling through the copies of its operands `pool` holds."""
+    """Seconds of one (m × k) @ (k × n) over about a third of `Settings.shape_seconds`, cycling
+    through the copies of its operands `pool` holds."""
     copies = min(pool.numel() // (m * k + k * n), outs.numel() // (m * n), 1024)  # small sets: few MB
     if copies < 1:  # operands larger than the pool: one set, out of cache by its size alone
         return _cold_matmul_seconds(settings, device, torch.randn(m * k + k * n, device=device).to(pool.dtype),
-                                    torch.empty(m * n, device=device, dtype=pool.dtype), m, k, n)
+                                    torch.zeros(m * n, device=device, dtype=pool.dtype), m, k, n)
     stride = m * k + k * n  # copy i: a then b, from element i · stride of the pool
     pairs = [(pool[i * stride:][:m * k].view(m, k), pool[i * stride + m * k:][:k * n].view(k, n),
               outs[i * m * n:][:m * n].view(m, n)) for i in range(copies)]
@@ -100,7 +107,7 @@ def _cold_matmul_seconds(settings: Settings, device: torch.device, pool: torch.T
         torch.mm(a, b, out=out)
 
     call()  # warm-up
-    return min(_seconds_per_call(call, device, settings.shape_seconds / 3) for _ in range(3))
+    return _seconds_per_call(call, device, settings.shape_seconds / 3)
 
 
 def _seconds_per_call(call, device: torch.device, seconds: float, at_least: int = 1) -> float:
