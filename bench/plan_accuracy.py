@@ -52,7 +52,7 @@ import paratrain as pt  # noqa: E402
 from common import SEQ, add_force, file_rss_mb, make_batches, make_model, peak_rss_mb, print_table, reset_peak_rss, return_freed_memory_to_os, rss_mb, load_at_start, write_results  # noqa: E402
 from paratrain.cpu_malloc import keep_freed_blocks  # noqa: E402
 from paratrain.plan.calibrate import Settings, calibrate  # noqa: E402
-from paratrain.plan.calibrate_compute import matmul_rates, optimizer_table  # noqa: E402
+from paratrain.plan.calibrate_compute import matmul_rates, optimizer_table, traffic_rate  # noqa: E402
 from paratrain.plan.cluster import save_cluster  # noqa: E402
 from paratrain.plan.cluster_presets import load_cluster  # noqa: E402
 from paratrain.plan.memory import predict  # noqa: E402
@@ -144,18 +144,22 @@ def predicted(model: str, case: str, world: int, cluster, accumulate: int = 1) -
 
 
 def machine_speed(cluster) -> dict:
-    """The 1024³ fp32 matmul rate and Adam's rate over two 4M-element tensors, measured now (one
-    thread, about a second), over what the calibration measured: how far the machine drifted from
-    the cluster file while the cases ran (here the two moved by up to 2 × within minutes)."""
+    """The 1024³ fp32 matmul rate, Adam's rate over two 4M-element tensors and the element-wise
+    work's traffic rate, measured now (one thread, about a second), over what the calibration
+    measured: how far the machine drifted from the cluster file while the cases ran (here the
+    first two moved by up to 2 × within minutes; in one run the traffic rate fell to 0.8 × with
+    the other two unmoved, and the GPT's steps took 13-24 % longer than predicted)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         quick = Settings(matmul_seconds=0.3, optimizer_sizes=(2**22,))
         matmul = matmul_rates(quick, torch.device("cpu"))["fp32"]
         (_, adam), = optimizer_table(quick, torch.device("cpu"))
+        traffic = traffic_rate(quick, torch.device("cpu"))
     finally:
         torch.set_num_threads(threads)
-    return {"matmul": matmul / cluster.peak_flops["fp32"], "adam": adam / cluster.optimizer_rate_for(2**22)}
+    return {"matmul": matmul / cluster.peak_flops["fp32"], "adam": adam / cluster.optimizer_rate_for(2**22),
+            "traffic": traffic / cluster.traffic_rate}
 
 
 def cases(args: argparse.Namespace) -> list[tuple[str, str, int]]:
@@ -190,7 +194,7 @@ def main(argv=None) -> None:
                        ("predicted_peak_mb", "predicted", ".0f"), ("peak_error", "error", "+.1%")])
     within = [r for r in rows if abs(r["step_error"]) <= 0.15 and abs(r["peak_error"]) <= 0.10]
     print(f"within the targets (step time 15 %, peak 10 %): {len(within)} of {len(rows)} cases")
-    for what in ("matmul", "adam"):
+    for what in ("matmul", "adam", "traffic"):
         seen = [r["machine_speed"][what] for r in rows]
         print(f"this machine's {what} rate before each case: {min(seen):.2f}-{max(seen):.2f} x the calibration's")
     write_results(args, dict(global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES, accumulate=args.accumulate,
