@@ -174,3 +174,24 @@ def test_readme_gpu_table_is_consistent_with_gpu_check_json():
     assert f"{100 * mfu['gpt-11m']:.1f} % for the small model" in readme and f"{100 * mfu['gpt-85m']:.0f} % for" in readme
     assert all(gpu[part]["ok"] for part in ("tests", "session", "mfu", "parity", "nccl"))
     assert max(gpu["parity"]["max_param_diff"].values()) < 3e-8 * 1.01  # "within 3e-8"
+
+
+def plan_accuracy_row(r: dict) -> str:
+    """A case of bench/plan_accuracy.py's JSON as the README's tables print it."""
+    model = {"mlp": "MLP", "transformer": "GPT"}[r["model"]]
+    return (f"| {model} | {r['strategy']} | {r['world']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
+            f"{r['step_error'] * 100:+.0f} % | {r['measured_peak_mb']:.0f} | {r['predicted_peak_mb']:.0f} | "
+            f"{r['peak_error'] * 100:+.0f} % |").replace("+0 %", "0 %").replace("-0 %", "0 %")
+
+
+@pytest.mark.parametrize("name,cases", [("plan_accuracy", 28), ("plan_accuracy_accumulate", 10)])
+def test_readme_plan_accuracy_tables_are_consistent_with_bench_json(name, cases):
+    import json
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    bench = json.load(open(os.path.join(ROOT, "bench", "results", f"{name}.json")))
+    assert not bench["settings"]["quick"] and len(bench["cases"]) == cases
+    for r in bench["cases"]:
+        assert plan_accuracy_row(r) in readme, plan_accuracy_row(r)
+    within = sum(abs(r["step_error"]) <= 0.15 and abs(r["peak_error"]) <= 0.10 for r in bench["cases"])
+    assert f"{within} of {cases}" in readme
