@@ -48,21 +48,19 @@ def _held(model, arrived: torch.Tensor | None) -> int:
 def _watch(topo, prefetch: bool) -> int:
     """The most a backward held at once at the moments the walk models (after a first step)."""
     seen: list[int] = []
-    model_box: list = []
+    torch.manual_seed(0)
+    model = _model()
+    strategy = pt.ZeRO(stage=3, wrap_policy=UNITS, prefetch=prefetch)
+    wrapped, opt = strategy.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3), strategy.grid(topo))
     arrived_at = flat_shard.FlatShard.grad_arrived
 
     def after_copy(self, index):  # the buffer holds it; autograd's tensor is still alive in this frame
         arrived = self.leaves[index][1].grad
         done = arrived_at(self, index)
-        seen.append(_held(model_box[0], arrived))
+        seen.append(_held(wrapped, arrived))
         return done
 
     flat_shard.FlatShard.grad_arrived = after_copy
-    torch.manual_seed(0)
-    model = _model()
-    strategy = pt.ZeRO(stage=3, wrap_policy=UNITS, prefetch=prefetch)
-    wrapped, opt = strategy.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3), strategy.grid(topo))
-    model_box.append(wrapped)
     for flat in (f for u in wrapped.units for f in u.flats):
         for _, leaf in flat.leaves:  # autograd's gradient is made, not yet accumulated: the reduction
             leaf.register_hook(lambda grad: seen.append(_held(wrapped, grad)))  # before is not waited for

@@ -76,17 +76,18 @@ def matmul_table(settings: Settings, device: torch.device, dtype: torch.dtype) -
     size = torch.finfo(dtype).bits // 8
     pool = torch.randn(settings.cold_bytes // size, device=device).to(dtype)
     outs = torch.zeros_like(pool)  # its pages touched now, not by the first trials
-    shapes = list(itertools.product(grid, repeat=3))
-    best = dict.fromkeys(shapes, float("inf"))
+    timed = {}  # each shape of the grid → the product timed for it
+    for shape in itertools.product(grid, repeat=3):
+        dims = list(shape)
+        while dims[0] * dims[1] * dims[2] > cap:
+            dims[dims.index(max(dims))] //= 2
+        timed[shape] = tuple(dims)
+    best = dict.fromkeys(timed, float("inf"))  # seconds per FLOP
     for _ in range(3):
-        for shape in shapes:
-            timed = list(shape)
-            while timed[0] * timed[1] * timed[2] > cap:
-                largest = timed.index(max(timed))
-                timed[largest] //= 2
-            flops = 2 * timed[0] * timed[1] * timed[2]
-            best[shape] = min(best[shape], _cold_matmul_seconds(settings, device, pool, outs, *timed) / flops)
-    return [[m, k, n, 1 / best[(m, k, n)]] for m, k, n in shapes]
+        for shape, (m, k, n) in timed.items():
+            seconds = _cold_matmul_seconds(settings, device, pool, outs, m, k, n)
+            best[shape] = min(best[shape], seconds / (2 * m * k * n))
+    return [[m, k, n, 1 / best[(m, k, n)]] for m, k, n in timed]
 
 
 def _cold_matmul_seconds(settings: Settings, device: torch.device, pool: torch.Tensor, outs: torch.Tensor,

@@ -73,7 +73,7 @@ def backward_peak(flats: list[Flat], unit_full: dict[str, int], prefetch: bool) 
 
     unit_full: each unit's full parameters gathered, "" (the root) included."""
     walk = sorted(flats, key=lambda f: f.position, reverse=True)
-    units = sorted({f.unit for f in flats if f.unit}, key=lambda u: -max(f.position for f in flats if f.unit == u))
+    units = list(dict.fromkeys(f.unit for f in walk if f.unit))  # in backward order: as the walk meets them
     root = unit_full.get("", 0)
     most = done = 0
     previous: Flat | None = None
