@@ -1,6 +1,6 @@
 """Benchmark: what `Session.train_step` costs over the plain loop it replaces, same wrapper.
 
-    python bench/session.py [--rounds 100] [--steps 1] [--tiny-steps 50] [--batch 128]
+    python bench/session.py [--rounds 200] [--steps 1] [--tiny-steps 50] [--batch 128]
                             [--out bench/results/session.json] [--quick]
     python bench/session.py --no-nan-check --out bench/results/session_no_nan_check.json
 
@@ -167,7 +167,7 @@ def paired_difference(plain_rounds: list[float], session_rounds: list[float]) ->
 
 
 def _parse_args(argv) -> argparse.Namespace:
-    parser = bench_parser(__doc__, out_name="session.json", rounds=100, steps=1, warmup=3, batch=128)
+    parser = bench_parser(__doc__, out_name="session.json", rounds=200, steps=1, warmup=3, batch=128)
     parser.add_argument("--models", nargs="+", default=["tiny", *MODELS], help="models to run")
     parser.add_argument("--cases", nargs="+", default=list(CASES), help="cases to run")
     parser.add_argument("--tiny-steps", type=int, default=50, help="optimizer steps per round for the tiny model")
