@@ -112,10 +112,10 @@ def test_ddp_sharing_its_check_stops_every_rank_for_a_nan_in_any_ranks_share(wor
         assert moved == 0
 
 
-def _flag_all_reduces(topo, strategy, limit):
+def _flag_all_reduces(topo, strategy, limit, nan_check=True):
     """All-reduces of one element (the finite check's flag) in one train_step."""
     ReducedSums.LIMIT = limit
-    session = pt.Session(strategy, topology=topo, progress_bar=False)
+    session = pt.Session(strategy, topology=topo, progress_bar=False, nan_check=nan_check)
     model = make_model("mlp")
     model, _ = session.setup(model, _sgd(model))
     x, y = XS[0].chunk(2)[topo.rank], YS[0].chunk(2)[topo.rank]
@@ -140,6 +140,34 @@ def test_a_small_zero_model_checks_its_gradients_without_a_collective(strategy):
     what the session added); above it, one all-reduce of this rank's sum."""
     assert run_on_ranks(_flag_all_reduces, 2, strategy, ReducedSums.LIMIT) == [0, 0]
     assert run_on_ranks(_flag_all_reduces, 2, strategy, 0) == [1, 1]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_without_the_check_no_reduction_is_summed_and_no_flag_is_sent(strategy):
+    """The sums are the session's check's: Session(nan_check=False) and the plain wrappers read no
+    reduced gradient and all-reduce no flag (ZeRO summed every reduction for any user, and the
+    session without its check all-reduced the sum each step: about 2 ms a step each on the
+    bench MLP's zero3)."""
+    assert run_on_ranks(_flag_all_reduces, 2, strategy, 0, False) == [0, 0]
+    assert run_on_ranks(_plain_wrapper_sums, 2, strategy) == [(0, None)] * 2
+
+
+def _plain_wrapper_sums(topo, strategy):
+    """(ReducedSums.add calls, reduced_finite()) after one backward of the plain wrapper."""
+    ReducedSums.LIMIT = 0
+    model = make_model("mlp")
+    if strategy == "ddp":
+        model, opt = pt.DistributedDataParallel(model), None
+    else:
+        model, opt = pt.shard(model, _sgd(model), stage=int(strategy[-1]))
+    real, added = ReducedSums.add, []
+    ReducedSums.add = lambda self, flat: added.append(flat.numel())
+    try:
+        x, y = XS[0].chunk(2)[topo.rank], YS[0].chunk(2)[topo.rank]
+        F.cross_entropy(model(x), y).backward()
+    finally:
+        ReducedSums.add = real
+    return len(added), model.reduced_finite()
 
 
 def test_shared_sums_read_only_this_ranks_share_of_each_buffer():

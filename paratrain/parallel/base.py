@@ -156,9 +156,9 @@ class ParallelModule(nn.Module):
         """A 0-dim tensor, the same on every rank, that is finite exactly when every gradient
         reduced since the last call is (a sum of them all), or None when this rank cannot tell
         alone; called once per optimizer step, on every rank. Strategies that see each reduction
-        whole may say (buckets.py, ReducedSums): ZeRO on gloo, and DDP once watch_reductions()
-        was called; with no collective up to ReducedSums.LIMIT elements, above it after one
-        all-reduce of the ranks' partial sums."""
+        whole may say once watch_reductions() was called (buckets.py, ReducedSums): DDP, and ZeRO
+        on gloo; with no collective up to ReducedSums.LIMIT elements, above it after one
+        all-reduce of the ranks' partial sums. Unwatched: None, and nothing was summed."""
         return None
 
     def watch_reductions(self) -> None:

@@ -148,6 +148,10 @@ class ZeroDataParallel(DistributedDataParallel):
         self.attach_shard_grads()
         return [s.grad for s in self.shards if s.grad is not None], self.process_group or dist.group.WORLD
 
+    def watch_reductions(self) -> None:
+        scatter = getattr(self._reduction, "reduce_scatter", False)  # stage 2's reduce-scatters
+        self._reduction.sums = reduced_sums_for(sum(p.numel() for p in self._params), scatter, self.process_group)
+
     def reduced_finite(self) -> torch.Tensor | None:
         return self._reduction.sums.take() if self._reduction.sums is not None else None
 
@@ -250,8 +254,6 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, *, s
     collectives = collectives or OwnerCollectives.for_group(process_group)
     where = dict(group=process_group, rank=dist.get_rank(process_group),
                  world=dist.get_world_size(process_group), group_of=group_of)
-    where["sums"] = reduced_sums_for(sum(p.numel() for p in model.parameters() if p.requires_grad),
-                                     scatter=stage == 2 and collectives.reduce_scatter, group=process_group)
     reduction = OwnerReduction(**where) if stage == 1 else \
         ScatterToOwners(**where, reduce_scatter=collectives.reduce_scatter)
     wrapped = ZeroDataParallel(model, reduction=reduction, collectives=collectives, process_group=process_group,

@@ -86,8 +86,7 @@ class FullyShardedDataParallel(ParallelModule):
         self._sync_this_backward = True  # decided by the forward that built the graph
         self._reducing: list[FlatShard] = []  # the gradient reduction in flight
         self._forward_order: list[Unit] = []
-        self._sums = reduced_sums_for(sum(f.padded for u in self.units for f in u.flats), self.collectives.reduce_scatter,
-                                      process_group)
+        self._sums = None  # the finite check's ReducedSums, once watched (watch_reductions)
         for unit in self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
@@ -125,12 +124,12 @@ class FullyShardedDataParallel(ParallelModule):
 
     def _post_forward(self, unit: Unit, module, args, output) -> Any:
         if unit.name:
-            self._reshard(unit)
+            unit.reshard()
         else:  # the root: the forward is over
             self.state = TrainingState.IDLE
             if not torch.is_grad_enabled():  # inference: free everything, unused prefetches too
                 for each in self.units:
-                    self._reshard(each)
+                    each.reshard()
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if torch.is_tensor(t) and t.requires_grad:
@@ -215,10 +214,6 @@ class FullyShardedDataParallel(ParallelModule):
         for flat in unit.flats:
             flat.finish_unshard()
 
-    def _reshard(self, unit: Unit) -> None:
-        for flat in unit.flats:
-            flat.reshard()
-
     def _prefetch(self, unit: Unit, step: int) -> None:
         order = self._forward_order
         i = order.index(unit) + step
@@ -244,6 +239,10 @@ class FullyShardedDataParallel(ParallelModule):
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         """This rank's slices of the averaged gradients; the others are on the other ranks."""
         return [s.grad for s in self.shards if s.grad is not None], self.process_group or dist.group.WORLD
+
+    def watch_reductions(self) -> None:
+        padded = self.world * sum(s.numel() for s in self.shards)
+        self._sums = reduced_sums_for(padded, self.collectives.reduce_scatter, self.process_group)
 
     def reduced_finite(self) -> torch.Tensor | None:
         return self._sums.take() if self._sums is not None else None

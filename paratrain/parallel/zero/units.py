@@ -157,3 +157,8 @@ class Unit:
     module: nn.Module
     flats: list[FlatShard]
     backward_started: bool = False
+
+    def reshard(self) -> None:
+        """Free its gathered parameters (each flat keeps its shard)."""
+        for flat in self.flats:
+            flat.reshard()
