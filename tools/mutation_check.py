@@ -274,6 +274,11 @@ MUTANTS = [
            (("    return ReducedSums((dist.get_rank(group), dist.get_world_size(group), group or dist.group.WORLD))",
              "    return ReducedSums()"),),
            ("tests/test_silent_failures.py",)),
+    Mutant("zero3-sums-unwatched", "ZeRO-3 sums every reduction for a plain pt.shard loop that checks nothing",
+           "paratrain/parallel/zero/stage3.py",
+           (("        self._sums = None  # the finite check's ReducedSums, once watched (watch_reductions)",
+             "        self._sums = reduced_sums_for(1 << 30, self.collectives.reduce_scatter, process_group)"),),
+           ("tests/test_silent_failures.py",)),
     # offload in the plan (step_time.offload, recommend.predict_time)
     Mutant("plan-offload-one-gather", "ZeRO-3 with offload copies its shards up once, not at every gather",
            "paratrain/plan/recommend.py",
