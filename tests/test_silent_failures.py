@@ -157,9 +157,9 @@ def _plain_wrapper_sums(topo, strategy):
     ReducedSums.LIMIT = 0
     model = make_model("mlp")
     if strategy == "ddp":
-        model, opt = pt.DistributedDataParallel(model), None
+        model = pt.DistributedDataParallel(model)
     else:
-        model, opt = pt.shard(model, _sgd(model), stage=int(strategy[-1]))
+        model, _ = pt.shard(model, _sgd(model), stage=int(strategy[-1]))
     real, added = ReducedSums.add, []
     ReducedSums.add = lambda self, flat: added.append(flat.numel())
     try:

@@ -241,7 +241,7 @@ class FullyShardedDataParallel(ParallelModule):
         return [s.grad for s in self.shards if s.grad is not None], self.process_group or dist.group.WORLD
 
     def watch_reductions(self) -> None:
-        padded = self.world * sum(s.numel() for s in self.shards)
+        padded = sum(f.padded for u in self.units for f in u.flats)
         self._sums = reduced_sums_for(padded, self.collectives.reduce_scatter, self.process_group)
 
     def reduced_finite(self) -> torch.Tensor | None:
