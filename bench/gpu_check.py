@@ -7,8 +7,11 @@
 2. session  `Session.train_step` against the plain loop it replaces with the same wrapper (CASES:
             single, ddp, ddp with 4 micro-batches, zero2, zero3; the wrapped ones at world 1 on
             nccl), examples/gpt.py's model at two sizes (SHAPES) in bf16 autocast on one GPU,
-            interleaved rounds, medians (target: ratio <= 1.02); beside them, to say where a
-            difference goes, the session without its NaN checks and a second plain loop (the noise)
+            with AdamW fused (the session's NaN check then runs on the device: step.py,
+            DeviceCheck) and AdamW as torch defaults it on CUDA (foreach: the check waits for
+            the device once per step), interleaved rounds, medians (target: ratio <= 1.02);
+            beside them, to say where a difference goes, the session without its NaN checks and
+            a second plain loop (the noise)
 3. mfu      the single rows' model FLOPs utilisation: FLOPs of one step counted by torch's
             FlopCounterMode, over the device's peak dense bf16 FLOP/s (from a table by name, else a
             measured matmul)
@@ -70,14 +73,20 @@ SHAPES = {"gpt-11m": dict(block=256, layers=6, width=384, heads=6, batch=32),  #
 DRY_SHAPE = dict(block=32, layers=2, width=64, heads=4, batch=4)
 
 
-def session_overhead(dry: bool, device: torch.device, rounds: int, steps: int) -> dict:
+def session_overhead(dry: bool, device: torch.device, rounds: int, steps: int, optimizers: list[str]) -> dict:
     # the larger model's step is about 3 x longer: half the steps per round
-    rows = [one_case(dry, device, shape, case, rounds, steps if shape != "gpt-85m" else max(2, steps // 2))
-            for shape in (["dry"] if dry else SHAPES) for case in CASES]
+    rows = [one_case(dry, device, shape, case, rounds, steps if shape != "gpt-85m" else max(2, steps // 2), kind)
+            for kind in optimizers for shape in (["dry"] if dry else SHAPES) for case in CASES]
     return dict(ok=True, target_met=all(r["target_met"] for r in rows), rows=rows)
 
 
-def one_case(dry: bool, device: torch.device, shape_name: str, case: str, rounds: int, steps: int) -> dict:
+def adamw(params, kind: str) -> torch.optim.AdamW:
+    """"fused": one kernel per step, which takes found_inf; "foreach": torch's default on CUDA."""
+    return torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if kind == "fused" else {"foreach": True}))
+
+
+def one_case(dry: bool, device: torch.device, shape_name: str, case: str, rounds: int, steps: int,
+             kind: str) -> dict:
     """Plain loop and train_step on copies of one model, same batch, bf16 autocast. Beside them,
     to say where a difference goes: the session without its NaN checks, and a second plain loop
     (built last: how far two identical loops differ here)."""
@@ -92,10 +101,10 @@ def one_case(dry: bool, device: torch.device, shape_name: str, case: str, rounds
     ours = []
     for session in sessions:
         model = make()
-        session.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        session.setup(model, adamw(model.parameters(), kind))
         ours.append(lambda s=session: [s.train_step((x, x), gpt.next_token_loss) for _ in range(accumulate)])
-    cases = {"plain": _plain_loop(make, strategy, accumulate, x, device), "session": ours[0],
-             "session_unchecked": ours[1], "plain_again": _plain_loop(make, strategy, accumulate, x, device)}
+    cases = {"plain": _plain_loop(make, strategy, accumulate, x, device, kind), "session": ours[0],
+             "session_unchecked": ours[1], "plain_again": _plain_loop(make, strategy, accumulate, x, device, kind)}
     times = _interleaved(cases, device, rounds, steps)
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     model = make().to(device)
@@ -103,20 +112,20 @@ def one_case(dry: bool, device: torch.device, shape_name: str, case: str, rounds
     for session in sessions:
         session.close()
     ratio = ms["session"] / ms["plain"]
-    return dict(model=shape_name, case=case, plain_ms=ms["plain"], session_ms=ms["session"], ratio=ratio,
+    return dict(model=shape_name, case=case, optimizer=kind, plain_ms=ms["plain"], session_ms=ms["session"], ratio=ratio,
                 target_met=ratio <= 1.02, session_unchecked_ms=ms["session_unchecked"],
                 plain_again_ms=ms["plain_again"], flops_per_step=flops,
                 params=sum(p.numel() for p in model.parameters()), **shape)
 
 
-def _plain_loop(make, strategy: str, accumulate: int, x: torch.Tensor, device: torch.device):
+def _plain_loop(make, strategy: str, accumulate: int, x: torch.Tensor, device: torch.device, kind: str):
     gpt = gpt_example()
     model = make().to(device)
     if strategy == "single" or strategy == "ddp":
         model = pt.DistributedDataParallel(model) if strategy == "ddp" else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = adamw(model.parameters(), kind)
     else:
-        model, opt = pt.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), stage=int(strategy[-1]))
+        model, opt = pt.shard(model, adamw(model.parameters(), kind), stage=int(strategy[-1]))
 
     def step():
         for micro in range(accumulate):
@@ -161,8 +170,9 @@ def _sync(device: torch.device) -> None:
 
 def mfu(overhead: dict, device: torch.device, dry: bool) -> dict:
     peak, source = _peak(device, dry)
+    first = overhead["rows"][0]["optimizer"]  # the first optimizer's rows
     mfus = {row["model"]: row["flops_per_step"] / (row["session_ms"] / 1e3) / peak
-            for row in overhead["rows"] if row["case"] == "single"}
+            for row in overhead["rows"] if row["case"] == "single" and row["optimizer"] == first}
     return dict(ok=True, mfu_single=mfus, peak_flops=peak, peak_source=source)
 
 
@@ -234,6 +244,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="the same code on CPU, tiny sizes, no GPU needed")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--optimizers", default="fused,foreach", help="AdamW kinds to time the session with, "
+                        "comma-separated (fused, foreach; each a full set of rows)")
     args = parser.parse_args(argv)
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
@@ -242,7 +254,8 @@ def main(argv=None) -> int:
     results: dict = {"device": torch.cuda.get_device_name(0) if not dry else "cpu (dry run)",
                      "torch": torch.__version__, "dry_run": dry}
     parts = [("tests", lambda: run_cuda_tests(dry)),
-             ("session", lambda: session_overhead(dry, device, 2 if dry else args.rounds, 2 if dry else args.steps)),
+             ("session", lambda: session_overhead(dry, device, 2 if dry else args.rounds, 2 if dry else args.steps,
+                                                 args.optimizers.split(","))),
              ("mfu", lambda: mfu(results["session"], device, dry)),
              ("parity", lambda: parity(device)), ("nccl", lambda: nccl_world_one(dry))]
     for name, part in parts:
@@ -254,7 +267,7 @@ def main(argv=None) -> int:
         print(f"{name:8s} {'ok' if results[name].get('ok') else 'FAILED'}  "
               f"{ {k: v for k, v in results[name].items() if k not in ('trace', 'ok', 'rows')} }", flush=True)
         for row in results[name].get("rows", []):
-            print(f"         {row['model']:8s} {row['case']:9s} plain {row['plain_ms']:7.2f} ms  session "
+            print(f"         {row['model']:8s} {row['optimizer']:7s} {row['case']:9s} plain {row['plain_ms']:7.2f} ms  session "
                   f"{row['session_ms']:7.2f} ms  ratio {row['ratio']:.3f}  unchecked "
                   f"{row['session_unchecked_ms'] / row['plain_ms']:.3f}  plain again "
                   f"{row['plain_again_ms'] / row['plain_ms']:.3f}", flush=True)

@@ -65,6 +65,8 @@ class SessionCheckpoints:
         """Save model, optimizer, epoch and micro-step, the sampler's position, registered objects
         and every rank's RNG states to `path` (checkpoint.py: sharded, atomic). A collective:
         every rank calls it."""
+        if self._on_device is not None:  # the last step's check, if still in flight (step.py)
+            self._on_device.raise_pending()
         refuse_non_finite(self._require_model(), path)
         state, rng = session_state(self)
         return checkpoint.save(path, self._require_model(), self.optimizer, state=state, rng=rng)

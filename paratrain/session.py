@@ -11,7 +11,8 @@ ever calls that protocol) and rebuilds the loader so that each data-parallel rep
 disjoint share of every epoch: the loader's `batch_size` is the *global* batch, so changing the
 number of processes does not change what one optimizer step sees. For loops that need more
 control, `train_step` is `with session.accumulation(): loss = …; session.backward(loss)` followed
-by `session.step()`. Checkpoint methods are in resume.py, the progress bar in progress.py.
+by `session.step()`. Checkpoint methods are in resume.py; progress() and the job's facts in
+session_facts.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -37,10 +38,9 @@ from paratrain.optim import Given, describe, retire_replaced
 from paratrain.parallel.base import ParallelModule, Strategy, backward_no_autocast, check_loss, scaled, uncompiled
 from paratrain.preemption import Preemption, after_optimizer_step
 from paratrain.precision import GradScaler, autocast_dtype, scaler_for
-from paratrain.progress import progress
 from paratrain.resume import SessionCheckpoints, note_micro_step, position
 from paratrain.session_facts import JobFacts
-from paratrain.step import LossLog, optimizer_step
+from paratrain.step import DeviceCheck, LossLog, optimizer_step
 from paratrain.step_watch import StepWarnings, StepWatch
 from paratrain.strategy import resolve
 from paratrain.topology import Topology, destroy
@@ -63,7 +63,8 @@ class Session(JobFacts, SessionCheckpoints):
     seed: seeds torch on every rank and the data order of every epoch.
     timeout: seconds any collective may wait before the job fails (default PARATRAIN_TIMEOUT or 600).
     nan_check: raise when a micro-batch's loss, or a gradient, is NaN or infinite, before the
-        optimizer steps: checked at each optimizer step, one wait for the device (step.py).
+        optimizer steps: checked at each optimizer step, one wait for the device; none with a
+        fused optimizer on a GPU, which skips the step there and raises one step later (step.py).
     log_dir: where `log()` writes metrics.csv (and TensorBoard events when it is installed).
     logging: what the session logs there by itself, and to which backends (autolog.Logging:
         every 10 optimizer steps loss, lr, grad norm, fp16 scale, samples/tokens per second, MFU).
@@ -100,6 +101,7 @@ class Session(JobFacts, SessionCheckpoints):
         self.grid = self.strategy.grid(self.topology)  # every process group comes from it (grid.py)
         self.progress_bar, self.nan_check = progress_bar, nan_check
         self._losses = LossLog(accumulate, self.rank)  # read at the optimizer step (nan_check)
+        self._on_device: DeviceCheck | None = None  # nan_check without a wait (setup, step.py)
         self.metrics, self.meter = open_metrics(log_dir, logging, self.is_main)
         self.model: ParallelModule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -143,6 +145,7 @@ class Session(JobFacts, SessionCheckpoints):
         retire_replaced(optimizer, self.optimizer, self.strategy.name)
         if self.nan_check and self.scaler is None and self.max_grad_norm is None:  # else the
             self.model.watch_reductions()  # unscale or the norm is the check (step.py)
+        self._on_device = DeviceCheck() if DeviceCheck.wanted(self.optimizer, self.scaler, self.nan_check) else None
         self.loader = self.shard_loader(loader) if loader is not None else None
         self.step_boundary = position(self) if self.accumulate > 1 else None
         out = [self.model] + [x for x in (self.optimizer, self.loader) if x is not None]
@@ -236,7 +239,8 @@ class Session(JobFacts, SessionCheckpoints):
     def step(self) -> bool:
         """Count a micro-batch; at the end of each accumulation, normalise token-weighted
         gradients, unscale (fp16), clip, step and zero the gradients. Returns True when the
-        optimizer stepped (under fp16 every rank skips a step whose gradients overflowed)."""
+        optimizer stepped (under fp16 every rank skips a step whose gradients overflowed; a step
+        checked on the device says True, and its error comes at the next one: nan_check)."""
         self.micro_step += 1
         self._in_micro_batch = False
         if self.micro_step % self.accumulate:
@@ -247,6 +251,7 @@ class Session(JobFacts, SessionCheckpoints):
         model = self._require_model()
         result = optimizer_step(model, self.optimizer, weights=self._weights, scaler=self.scaler,
                                 max_grad_norm=self.max_grad_norm, check_finite=self.nan_check, losses=self._losses,
+                                on_device=self._on_device,
                                 before_step=self._verify and functools.partial(self._verify.before_step, model))
         if self._verify is not None and self._verify.after_step(model, self.precision):
             self.close()  # the steps `paratrain verify` asked for are recorded: the run ends here
@@ -264,32 +269,27 @@ class Session(JobFacts, SessionCheckpoints):
             self._losses.add(loss, self.micro_step, self.epoch)
         return loss
 
-    def to_device(self, batch: Any) -> Any:
-        """`batch` with every tensor moved to this rank's device."""
-        return to_device(batch, self.device)
-
-    # -- progress, metrics, end ---------------------------------------------------------------------
-
-    def progress(self, loader: Iterable, desc: str | None = None) -> Iterator[Any]:
-        """Iterate `loader` once, with a progress bar on rank 0 showing the loss and global samples
-        per second. For the training loader setup() returned, a full pass is one epoch: its
-        sampler is reshuffled for `session.epoch`, which then advances. Other loaders (validation)
-        are iterated as they are."""
-        return progress(self, loader, desc)
+    # -- end ---------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the metrics files, release the checkpoint root's lock, tear down the process group."""
+        """Close the metrics files, release the checkpoint root's lock, tear down the process group;
+        then raise the last step's error if its check was still on its way (step.py, DeviceCheck)."""
+        pending, self._on_device = self._on_device, None
         if self.metrics is not None:
             self.metrics.close()
         if self.preemption is not None:
             self.preemption.restore()
         checkpoint.unlock_roots(owner=self)
         destroy()
+        if pending is not None:
+            pending.raise_pending()
 
     def __enter__(self) -> "Session":
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if exc[0] is not None:  # that error stands: no second one from the last step's check
+            self._on_device = None
         self.close()
 
     def _require_model(self) -> nn.Module:

@@ -1,17 +1,20 @@
 """What a Session tells about the job and the model, whatever the strategy: ranks, the device,
-rank-0 printing, the user's own model, its size, a per-rank seed, the whole state dict,
-contrastive gathers and metric logging (the Session class inherits these)."""
+batches moved to it, the progress bar (progress.py), rank-0 printing, the user's own model, its
+size, a per-rank seed, the whole state dict, contrastive gathers and metric logging (the Session
+class inherits these)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.errors import UsageError
+from paratrain.loader import to_device
 from paratrain.parallel.base import ParallelModule, full_state_dict, uncompiled
+from paratrain.progress import progress
 
 if TYPE_CHECKING:
     from paratrain.session import Session
@@ -24,6 +27,17 @@ class JobFacts:
     world_size = property(lambda self: self.topology.world_size)
     device = property(lambda self: self.topology.device)  # this rank's device
     is_main = property(lambda self: self.topology.is_main)  # global rank 0
+
+    def to_device(self: "Session", batch: Any) -> Any:
+        """`batch` with every tensor moved to this rank's device."""
+        return to_device(batch, self.device)
+
+    def progress(self: "Session", loader: Iterable, desc: str | None = None) -> Iterator[Any]:
+        """Iterate `loader` once, with a progress bar on rank 0 showing the loss and global samples
+        per second. For the training loader setup() returned, a full pass is one epoch: its
+        sampler is reshuffled for `session.epoch`, which then advances. Other loaders (validation)
+        are iterated as they are."""
+        return progress(self, loader, desc)
 
     def print(self: "Session", *args: Any, **kwargs: Any) -> None:
         """`print` on global rank 0 only."""

@@ -15,7 +15,10 @@ device as the gradients, so a micro-batch costs none):
                 every rank saw each reduction whole (DDP; ZeRO on gloo), each sums those as
                 they complete (ParallelModule.reduced_finite; buckets.ReducedSums): a small
                 model every one whole, a large one its 1/N of each, and all-reduces the sum.
-                Each test of a sum is on the host, math.isfinite(sum.item()).
+                Each test of a sum is on the host, math.isfinite(sum.item()), one wait for
+                the device per step; with a fused optimizer on a GPU (DeviceCheck) the test
+                is the optimizer's found_inf instead: its kernels skip the step on the
+                device, and the host reads the verdict one optimizer step later.
                 With clipping the global norm is that check.
                 Under fp16 a non-finite gradient is an overflow (skip); a non-finite loss still
                 stops the run.
@@ -75,12 +78,16 @@ class LossLog:
 
 def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, weights: TokenWeights,
                    scaler: GradScaler | None, max_grad_norm: float | None, check_finite: bool,
-                   before_step: Callable[[], None] | None = None, losses: LossLog | None = None) -> StepResult:
+                   before_step: Callable[[], None] | None = None, losses: LossLog | None = None,
+                   on_device: DeviceCheck | None = None) -> StepResult:
     """Normalise, unscale, check, clip, step and zero the gradients; `before_step()` sees the
     gradients as the optimizer is about to read them (`paratrain verify` records them there).
-    `losses`: the micro-batches' losses, checked with the gradients when check_finite."""
+    `losses`: the micro-batches' losses, checked with the gradients when check_finite.
+    `on_device`: check without waiting (DeviceCheck); it first raises the previous step's error."""
+    if on_device is not None:
+        on_device.raise_pending()
     factor = weights.normaliser(model.replicas)
-    skip, norm = False, None
+    skip, norm, found = False, None, None  # found: the check's total, when the device tests it
     reduced_finite = model.reduced_finite()  # every step: it starts the next step's count too
     loss = losses.total() if check_finite and losses is not None else None
     try:
@@ -93,24 +100,108 @@ def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, w
             # read to scale them, or to check them when the reductions were not summed
             grads, group = model.local_grads() if factor != 1.0 or reduced_finite is None else ([], None)
             _scale(grads, factor)
-            if check_finite and max_grad_norm is None and not _all_finite(grads, group, reduced_finite, loss):
-                raise _non_finite(model, "gradient", losses)
+            if check_finite and max_grad_norm is None:
+                found = _finite_total(grads, group, reduced_finite, loss)
+                if on_device is None and not math.isfinite(found.item()):
+                    raise _non_finite(model, "gradient", losses)
         if max_grad_norm is not None and not skip:
             norm = model.clip_grad_norm_(max_grad_norm)
-            # the norm is global: every rank agrees on it
-            if check_finite and not torch.isfinite(norm if loss is None else norm + loss.to(norm.device)):
-                raise _non_finite(model, "gradient norm", losses)
+            if check_finite:  # the norm is global: every rank agrees on it
+                found = norm if loss is None else norm + loss.to(norm.device)
+                if on_device is None and not torch.isfinite(found):
+                    raise _non_finite(model, "gradient norm", losses)
+        if on_device is not None and found is not None:
+            found = on_device.start(found, losses)  # now the found_inf flag
     finally:
         if losses is not None:
             losses.items.clear()
     if before_step is not None:
         before_step()
     if not skip:  # every rank agrees: the flags were reduced over the gradients' holders
-        optimizer.step()
+        if found is not None and on_device is not None:
+            _step_unless(optimizer, found)
+        else:
+            optimizer.step()
     if scaler is not None:
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(not skip, norm)
+
+
+class DeviceCheck:
+    """The finite check without a wait for the device, where that wait costs (Session(nan_check=
+    True) with an optimizer whose fused kernels take `found_inf`, on a GPU: `wanted`).
+
+    Waiting for the device at each step leaves the GPU idle while the host then launches the
+    optimizer's kernels (measured on an H200: 2.7-7.8 % of a GPT step, bench/gpu_check.py).
+    Here the check's total stays on the device: its non-finiteness is the optimizer's
+    `found_inf` (as torch's GradScaler hands it), so the fused kernels leave the parameters and
+    the optimizer state as they were. The flag is copied to the host without waiting and read
+    at the next optimizer step, or at the next checkpoint, or at close(): the error is the same
+    (a non-finite loss named by its micro-batch) but arrives one step later, and a non-finite
+    gradient is not named by parameter (the gradients are gone by then)."""
+
+    def __init__(self) -> None:
+        self.pending: tuple[torch.Tensor, Any, LossLog] | None = None  # (host flag, event, losses)
+
+    @staticmethod
+    def wanted(optimizer: torch.optim.Optimizer | None, scaler: GradScaler | None, nan_check: bool) -> bool:
+        """Checked on the device: a fused optimizer (it reads found_inf) stepping CUDA tensors
+        only; fp16's scaler keeps its own skip (precision.py)."""
+        return (nan_check and scaler is None and optimizer is not None
+                and getattr(optimizer, "_step_supports_amp_scaling", False)
+                and all(p.is_cuda for group in optimizer.param_groups for p in group["params"]))
+
+    def start(self, total: torch.Tensor, losses: LossLog | None) -> torch.Tensor:
+        """The found_inf flag of `total` (1.0: not finite), its copy to the host started;
+        `losses` (the step's) are kept to name a non-finite one."""
+        flag = torch.isfinite(total).logical_not().float()
+        held = LossLog(losses.accumulate, losses.rank) if losses is not None else LossLog(1, 0)
+        held.items = list(losses.items) if losses is not None else []
+        self.pending = (*host_copy(flag), held)
+        return flag
+
+    def raise_pending(self) -> None:
+        """Raise the error of the last checked step, if its flag says so (a wait only when the
+        device has not yet reached the end of that step)."""
+        if self.pending is None:
+            return
+        flag, event, losses = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        if flag.item():
+            step = losses.items[-1][1] // losses.accumulate if losses.items else "?"
+            raise losses.error() or UsageError(
+                f"a gradient was NaN or infinite at optimizer step {step} although the loss was finite; the "
+                "fused optimizer skipped that step on the device, so the parameters and the optimizer's state "
+                "are as they were before it, and no checkpoint will hold it. The check ran on the device and "
+                "was read a step later, when the gradients were gone: an optimizer without fused=True has the "
+                "check name the parameters. Lower the learning rate, clip gradients (Session(max_grad_norm="
+                "...)), look for a division by zero or a log of 0 in the model, or pass "
+                "Session(nan_check=False) to go on regardless.")
+
+
+def host_copy(value: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """`value` on its way to the host, and the CUDA event that says it has arrived (None on the
+    CPU: the copy is done)."""
+    if value.device.type != "cuda":
+        return value.detach(), None
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    host.copy_(value.detach(), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def _step_unless(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+    """optimizer.step() with `flag` as its found_inf: the fused kernels skip the update (and
+    undo the step count) on the device when it is 1."""
+    optimizer.found_inf = flag
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def _scale(grads: list[torch.Tensor], factor: float) -> None:
@@ -118,14 +209,14 @@ def _scale(grads: list[torch.Tensor], factor: float) -> None:
         torch._foreach_mul_(grads, factor)
 
 
-def _all_finite(grads: list[torch.Tensor], group: Any, reduced_finite: torch.Tensor | None = None,
-                loss: torch.Tensor | None = None) -> bool:
-    """Whether every gradient on every holder, and `loss` (this rank's, LossLog.total), is
-    finite: one fused norm, and one all-reduce of a scalar when the gradients are split between
-    ranks (group is not None), unless every rank saw every reduction whole and summed it
-    (`reduced_finite`, ParallelModule.reduced_finite). One wait for the device in all."""
-    if reduced_finite is not None:  # the loss read after the sum: by then it waits for nothing
-        return math.isfinite(reduced_finite.item()) and (loss is None or math.isfinite(loss.item()))
+def _finite_total(grads: list[torch.Tensor], group: Any, reduced_finite: torch.Tensor | None = None,
+                  loss: torch.Tensor | None = None) -> torch.Tensor:
+    """A 0-dim tensor, finite exactly when every gradient on every holder and `loss` (this
+    rank's, LossLog.total) are: one fused norm, and one all-reduce of a scalar when the gradients
+    are split between ranks (group is not None), unless every rank saw every reduction whole and
+    summed it (`reduced_finite`, ParallelModule.reduced_finite)."""
+    if reduced_finite is not None:
+        return reduced_finite if loss is None else reduced_finite + loss.to(reduced_finite.device)
     # a sum is the cheapest full read, and NaN and inf survive it (finite values summing past the
     # float range would be a false alarm, at gradients of 1e38)
     sums = [g.sum() for g in grads] if len(grads) < 8 else list(torch._foreach_norm(grads))
@@ -137,7 +228,7 @@ def _all_finite(grads: list[torch.Tensor], group: Any, reduced_finite: torch.Ten
     total = torch.stack(sums).sum() if sums else torch.zeros(())
     if loss is not None:
         total = total.float() + loss.to(total.device)
-    return math.isfinite(sum_over(total.float(), group).item())
+    return sum_over(total.float(), group)
 
 
 def _non_finite(model: ParallelModule, what: str, losses: LossLog | None) -> UsageError:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from paratrain.errors import ConfigError
+from paratrain.step import host_copy
 
 if TYPE_CHECKING:
     from paratrain.session import Session
@@ -119,20 +120,12 @@ class StepWatch:
             return None
         if norm.device.type != "cuda":
             return step, float(norm)
-        ready, self._in_flight = self._in_flight, _start_copy(step, norm)
+        ready, self._in_flight = self._in_flight, (step, *host_copy(norm))
         if ready is None:
             return None
         earlier, host, event = ready
         event.synchronize()  # long done: the whole step since then was queued behind it
         return earlier, float(host)
-
-
-def _start_copy(step: int, norm: torch.Tensor) -> tuple[int, torch.Tensor, object]:
-    host = torch.empty((), dtype=norm.dtype, pin_memory=True)
-    host.copy_(norm.detach(), non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return step, host, event
 
 
 def _user_stacklevel() -> int:

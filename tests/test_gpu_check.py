@@ -20,7 +20,8 @@ def test_gpu_check_dry_run_runs_every_part(tmp_path):
         assert results[part]["ok"], (part, results[part])
     assert "collected" in results["tests"]["summary"][0]  # the CUDA-marked tests exist
     rows = results["session"]["rows"]
-    assert [r["case"] for r in rows] == ["single", "ddp", "ddp-acc4", "zero2", "zero3"]
+    cases = ["single", "ddp", "ddp-acc4", "zero2", "zero3"]
+    assert [(r["optimizer"], r["case"]) for r in rows] == [(k, c) for k in ("fused", "foreach") for c in cases]
     assert all(r["flops_per_step"] > 0 and r["plain_ms"] > 0 and r["session_ms"] > 0 for r in rows)
     acc = {r["case"]: r["flops_per_step"] for r in rows}
     assert acc["ddp-acc4"] == 4 * acc["ddp"]  # 4 micro-batches of the same batch per optimizer step

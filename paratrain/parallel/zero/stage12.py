@@ -223,13 +223,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for index in range(len(optimizer.param_groups))])
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self.state = self.inner.state
+        # fused kernels skip a step on the device when found_inf is 1 (step.py, DeviceCheck)
+        self._step_supports_amp_scaling = getattr(self.inner, "_step_supports_amp_scaling", False)
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ConfigError("a sharded optimizer does not take a closure; call step() after backward")
         self.model.attach_shard_grads()
-        self.inner.step()
+        self.inner.found_inf = getattr(self, "found_inf", None)
+        try:
+            self.inner.step()
+        finally:
+            del self.inner.found_inf
         self.model.gather_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
