@@ -168,7 +168,12 @@ def test_env_under_run_prints_every_rank(tmp_path):
     # the node's software once, from its local rank 0, as `accelerate env` shows it
     software = [line for line in lines if " torch=" in line]
     assert len(software) == 1 and software[0].startswith("[rank 0] python=")
-    assert f"torch={torch.__version__}" in software[0] and "cuda_available=False gpus=none" in software[0]
+    assert f"torch={torch.__version__}" in software[0]
+    # what this machine has, as the test process sees it (an H200's run printed True and its name)
+    gpus = "cuda_available=True nccl=" if torch.cuda.is_available() else "cuda_available=False gpus=none"
+    assert gpus in software[0]
+    if torch.cuda.is_available():
+        assert f"gpus={torch.cuda.get_device_name(0)}:" in software[0]
 
 
 def test_two_nodes_on_loopback_form_one_world(job):
