@@ -1,5 +1,6 @@
-"""Optimizer helpers every strategy shares: rebuild an optimizer for other parameters, and clip
-by the global norm when each rank holds only part of the gradients."""
+"""Optimizer helpers every strategy shares: rebuild an optimizer for other parameters, clip by
+the global norm when each rank holds only part of the gradients, and say whether an optimizer
+can skip a step on the device."""
 
 from __future__ import annotations
 
@@ -45,6 +46,20 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer,
         raise ConfigError(f"cannot rebuild {type(optimizer).__name__} for this rank's parameters ({e}); "
                           "use a torch.optim optimizer, or one whose constructor takes "
                           "(param_groups, **defaults)") from None
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` honours a `found_inf` tensor by leaving the parameters and its
+    state as they were (step.py, DeviceCheck): torch's Adam and AdamW with fused=True in every
+    param group, whose fused kernels return at once when found_inf is 1 and undo the step count.
+    Not fused SGD (its first step would keep momentum buffers it never wrote), nor optimizers of
+    other kinds. A wrapper that steps another optimizer answers for it (`skips_on_device`)."""
+    answer = getattr(optimizer, "skips_on_device", None)
+    if answer is not None:
+        return answer
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and all(group.get("fused") for group in optimizer.param_groups))
 
 
 @torch.no_grad()

@@ -34,14 +34,23 @@ def progress(session: "Session", loader: Iterable, desc: str | None = None) -> I
             yield batch
             samples += batch_len(batch) * replicas
             session.samples_per_second = samples / (time.perf_counter() - start)
-            if session.last_loss is not None and not bar.disable:
+            # the loss is read (a wait for the device) only when the bar is due to redraw
+            if session.last_loss is not None and not bar.disable and _redraw_due(bar):
                 bar.set_postfix(loss=f"{session.last_loss.item():.4f}",
                                 samples_s=f"{session.samples_per_second:.0f}", refresh=False)
             bar.update()
         if training:
+            if session._on_device is not None:  # the pass's last step, checked on the device (step.py)
+                session._on_device.raise_pending()
             session.epoch += 1
     finally:  # also when the loop breaks early
         bar.close()
+
+
+def _redraw_due(bar: tqdm) -> bool:
+    """Whether the next bar.update() will print, by tqdm's rule: miniters updates and mininterval
+    seconds since the last print."""
+    return bar.n + 1 - bar.last_print_n >= bar.miniters and time.time() - bar.last_print_t >= bar.mininterval
 
 
 def batch_len(batch: Any) -> int:

@@ -84,6 +84,8 @@ class SessionCheckpoints:
         if hyperparameters not in ("checkpoint", "current"):
             raise ConfigError(f"hyperparameters must be 'checkpoint' or 'current'; got {hyperparameters!r}")
         optimizer = None if weights_only else self.optimizer
+        if self._on_device is not None:  # a skipped step's error is not lost to a reload (step.py)
+            self._on_device.raise_pending()
         if optimizer is not None:
             check_same_optimizer(self, Path(path), keep_current=hyperparameters == "current")
         loaded = checkpoint.load(path, self._require_model(), optimizer,

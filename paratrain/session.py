@@ -288,7 +288,7 @@ class Session(JobFacts, SessionCheckpoints):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if exc[0] is not None:  # that error stands: no second one from the last step's check
+        if exc[0] is not None and not issubclass(exc[0], SystemExit):  # that error stands alone
             self._on_device = None
         self.close()
 

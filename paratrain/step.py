@@ -36,6 +36,7 @@ import torch
 from paratrain.accumulation import TokenWeights
 from paratrain.comm import sum_over
 from paratrain.errors import UsageError
+from paratrain.optim import skips_on_device
 from paratrain.parallel.base import ParallelModule
 from paratrain.precision import GradScaler
 
@@ -84,8 +85,14 @@ def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, w
     gradients as the optimizer is about to read them (`paratrain verify` records them there).
     `losses`: the micro-batches' losses, checked with the gradients when check_finite.
     `on_device`: check without waiting (DeviceCheck); it first raises the previous step's error."""
-    if on_device is not None:
-        on_device.raise_pending()
+    if on_device is not None and on_device.pending is not None:
+        try:
+            on_device.raise_pending()
+        except UsageError:  # this step's gradients and losses go with the error, as at the bad step
+            optimizer.zero_grad(set_to_none=True)
+            if losses is not None:
+                losses.items.clear()
+            raise
     factor = weights.normaliser(model.replicas)
     skip, norm, found = False, None, None  # found: the check's total, when the device tests it
     reduced_finite = model.reduced_finite()  # every step: it starts the next step's count too
@@ -137,19 +144,18 @@ class DeviceCheck:
     Here the check's total stays on the device: its non-finiteness is the optimizer's
     `found_inf` (as torch's GradScaler hands it), so the fused kernels leave the parameters and
     the optimizer state as they were. The flag is copied to the host without waiting and read
-    at the next optimizer step, or at the next checkpoint, or at close(): the error is the same
-    (a non-finite loss named by its micro-batch) but arrives one step later, and a non-finite
-    gradient is not named by parameter (the gradients are gone by then)."""
+    at the next optimizer step, save, load, end of a progress() pass or close(), whichever comes
+    first: the error is the same (a non-finite loss named by its micro-batch) but arrives one
+    step later, and a non-finite gradient is not named by parameter (its gradients are gone)."""
 
     def __init__(self) -> None:
         self.pending: tuple[torch.Tensor, Any, LossLog] | None = None  # (host flag, event, losses)
 
     @staticmethod
     def wanted(optimizer: torch.optim.Optimizer | None, scaler: GradScaler | None, nan_check: bool) -> bool:
-        """Checked on the device: a fused optimizer (it reads found_inf) stepping CUDA tensors
-        only; fp16's scaler keeps its own skip (precision.py)."""
-        return (nan_check and scaler is None and optimizer is not None
-                and getattr(optimizer, "_step_supports_amp_scaling", False)
+        """Checked on the device: an optimizer that skips a step there (fused Adam and AdamW:
+        optim.skips_on_device) stepping CUDA tensors only; fp16's scaler keeps its own skip."""
+        return (nan_check and scaler is None and optimizer is not None and skips_on_device(optimizer)
                 and all(p.is_cuda for group in optimizer.param_groups for p in group["params"]))
 
     def start(self, total: torch.Tensor, losses: LossLog | None) -> torch.Tensor:
@@ -187,10 +193,11 @@ def host_copy(value: torch.Tensor) -> tuple[torch.Tensor, Any]:
     CPU: the copy is done)."""
     if value.device.type != "cuda":
         return value.detach(), None
-    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-    host.copy_(value.detach(), non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
+    with torch.cuda.device(value.device):  # the copy and its event on the stream of value's GPU
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        host.copy_(value.detach(), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
     return host, event
 
 

@@ -9,8 +9,11 @@ cuda-marked test checks a GPU takes that path by itself."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
+import paratrain.progress as progress_module
+from paratrain.optim import skips_on_device
 from paratrain.step import DeviceCheck
 from paratrain.testing import max_param_diff, run_on_ranks
 from models import make_batches, make_model
@@ -22,7 +25,7 @@ CUDA = torch.cuda.device_count()
 def _on_the_cpu_too():
     """DeviceCheck.wanted without its CUDA condition: what a GPU run chooses, on CPU tensors."""
     DeviceCheck.wanted = staticmethod(lambda optimizer, scaler, nan_check: (
-        nan_check and scaler is None and getattr(optimizer, "_step_supports_amp_scaling", False)))
+        nan_check and scaler is None and skips_on_device(optimizer)))
 
 
 def _fused_adamw(model):
@@ -106,25 +109,93 @@ def test_a_checkpoint_after_a_skipped_step_raises_its_error_and_is_not_written(t
     assert not list(tmp_path.glob("step-*"))
 
 
-def test_close_raises_the_last_steps_error_unless_another_is_on_its_way(monkeypatch):
+def _single_after_a_nan_step(monkeypatch, **kwargs):
+    """A session on the CPU, checked as on a GPU, whose one optimizer step had a NaN loss."""
     monkeypatch.setattr(DeviceCheck, "wanted", staticmethod(lambda optimizer, scaler, nan_check: nan_check))
-    for exiting_with in (None, KeyError("the user's own")):
-        session = pt.Session("single", progress_bar=False)
+    session = pt.Session("single", progress_bar=False, **kwargs)
+    model = make_model("mlp")
+    model, opt = session.setup(model, _fused_adamw(model))
+    session.train_step((XS[0], YS[0]), lambda out, y: F.cross_entropy(out, y) * float("nan"))
+    return session
+
+
+def test_close_raises_the_last_steps_error_unless_another_is_on_its_way(monkeypatch):
+    with pytest.raises(pt.UsageError, match="the loss is nan at optimizer step 0"):
+        _single_after_a_nan_step(monkeypatch).close()
+    with pytest.raises(pt.UsageError, match="the loss is nan at optimizer step 0"):
+        with _single_after_a_nan_step(monkeypatch):
+            raise SystemExit(0)  # a script's own exit is no error: the step's is raised
+    with pytest.raises(KeyError, match="the user's own"):
+        with _single_after_a_nan_step(monkeypatch):
+            raise KeyError("the user's own")
+
+
+def test_loading_a_checkpoint_after_a_skipped_step_raises_its_error_first(monkeypatch, tmp_path):
+    with pt.Session("single", progress_bar=False) as session:
         model = make_model("mlp")
-        model, opt = session.setup(model, _fused_adamw(model))
-        session.train_step((XS[0], YS[0]), lambda out, y: F.cross_entropy(out, y) * float("nan"))
-        if exiting_with is None:
-            with pytest.raises(pt.UsageError, match="the loss is nan at optimizer step 0"):
-                session.close()
-        else:
-            with pytest.raises(KeyError, match="the user's own"):
-                with session:
-                    raise exiting_with
+        session.setup(model, _fused_adamw(model))
+        session.train_step((XS[1], YS[1]), F.cross_entropy)
+        session.save(tmp_path / "good")
+    session = _single_after_a_nan_step(monkeypatch)
+    with pytest.raises(pt.UsageError, match="the loss is nan at optimizer step 0"):
+        session.load(tmp_path / "good")
+    session.load(tmp_path / "good")  # the error was said: the load goes on
+    session.close()
+
+
+def test_a_progress_pass_raises_its_last_steps_error_when_it_ends(monkeypatch):
+    monkeypatch.setattr(DeviceCheck, "wanted", staticmethod(lambda optimizer, scaler, nan_check: nan_check))
+    session = pt.Session("single", progress_bar=False)
+    model = make_model("mlp")
+    data = TensorDataset(XS.reshape(-1, 12), YS.reshape(-1))
+    model, opt, loader = session.setup(model, _fused_adamw(model), DataLoader(data, batch_size=12))
+    seen = []
+    with pytest.raises(pt.UsageError, match="the loss is nan at optimizer step 2"):
+        for batch in session.progress(loader):
+            last = len(seen) == len(loader) - 1
+            session.train_step(batch, lambda out, y: F.cross_entropy(out, y) * (float("nan") if last else 1.0))
+            seen.append(batch)
+    assert len(seen) == 3 and session.epoch == 0  # the pass did not count as done
+    session.close()
+
+
+def test_the_progress_bar_reads_the_loss_only_when_it_redraws(monkeypatch):
+    """Reading the loss waits for the device: a bar that redraws twice a second reads it as
+    often, not at every step (a 24-step pass in under half a second: once at most)."""
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or item(t))
+
+    def one_pass():
+        reads.clear()
+        with pt.Session("single", progress_bar=True, nan_check=False) as session:
+            model = make_model("mlp")
+            data = TensorDataset(torch.randn(24, 12), torch.randint(0, 5, (24,)))
+            model, opt, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                               DataLoader(data, batch_size=1))
+            for batch in session.progress(loader):
+                session.train_step(batch, F.cross_entropy)
+        return len(reads)
+
+    rule = progress_module._redraw_due
+    monkeypatch.setattr(progress_module, "_redraw_due", lambda bar: False)
+    elsewhere = one_pass()  # what the session reads besides the bar
+    monkeypatch.setattr(progress_module, "_redraw_due", lambda bar: True)
+    assert one_pass() == elsewhere + 24  # a redraw due at every step: a read at every step
+    monkeypatch.setattr(progress_module, "_redraw_due", rule)
+    assert one_pass() <= elsewhere + 1  # tqdm's own rule: at most one redraw in this pass
 
 
 def test_the_device_check_is_chosen_only_for_fused_optimizers_stepping_cuda_tensors():
     model = make_model("mlp")
     fused, plain = _fused_adamw(model), torch.optim.AdamW(model.parameters())
+    assert skips_on_device(fused) and skips_on_device(torch.optim.Adam(model.parameters(), fused=True))
+    assert not skips_on_device(plain)
+    # fused SGD takes found_inf, but its first step would keep momentum buffers it never wrote
+    assert not skips_on_device(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True))
+    params = list(model.parameters())
+    mixed = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "fused": False}], fused=True)
+    assert not skips_on_device(mixed)  # a group on the foreach path would refuse found_inf
     assert not DeviceCheck.wanted(fused, None, True)  # CPU tensors: waiting costs nothing there
     assert not DeviceCheck.wanted(plain, None, True)
     with pt.Session("single", progress_bar=False) as session:  # and a Session on the CPU waits

@@ -35,7 +35,7 @@ from torch import nn
 
 from paratrain.comm import all_gather_single, broadcast_coalesced
 from paratrain.errors import ConfigError
-from paratrain.optim import clip_grad_norm_over, rebuild_optimizer
+from paratrain.optim import clip_grad_norm_over, rebuild_optimizer, skips_on_device
 from paratrain.precision import cast_floating
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, names_by_first, user_key
 from paratrain.parallel.buckets import Bucket
@@ -223,8 +223,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for index in range(len(optimizer.param_groups))])
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self.state = self.inner.state
-        # fused kernels skip a step on the device when found_inf is 1 (step.py, DeviceCheck)
-        self._step_supports_amp_scaling = getattr(self.inner, "_step_supports_amp_scaling", False)
+        self.skips_on_device = skips_on_device(self.inner)  # it hands found_inf on (step.py, DeviceCheck)
 
     @torch.no_grad()
     def step(self, closure=None):
