@@ -94,7 +94,7 @@ def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, w
                 losses.items.clear()
             raise
     factor = weights.normaliser(model.replicas)
-    skip, norm, found = False, None, None  # found: the check's total, when the device tests it
+    skip, norm, found, flag = False, None, None, None  # the check's total; its found_inf on the device
     reduced_finite = model.reduced_finite()  # every step: it starts the next step's count too
     loss = losses.total() if check_finite and losses is not None else None
     try:
@@ -118,15 +118,15 @@ def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, w
                 if on_device is None and not torch.isfinite(found):
                     raise _non_finite(model, "gradient norm", losses)
         if on_device is not None and found is not None:
-            found = on_device.start(found, losses)  # now the found_inf flag
+            flag = on_device.start(found, losses)
     finally:
         if losses is not None:
             losses.items.clear()
     if before_step is not None:
         before_step()
     if not skip:  # every rank agrees: the flags were reduced over the gradients' holders
-        if found is not None and on_device is not None:
-            _step_unless(optimizer, found)
+        if flag is not None:
+            _step_unless(optimizer, flag)
         else:
             optimizer.step()
     if scaler is not None:
