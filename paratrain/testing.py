@@ -5,7 +5,9 @@ imported torch, so each start is cheap), gives each the environment torchrun wou
 the default group (gloo, a free port, a collective timeout), calls `fn(topology, *args)` and
 returns the per-rank results in rank order. When a rank raises, the others are killed and
 `RankFailure` carries that rank's traceback; when the job outlives `timeout`, every process is
-killed and the ranks that had not finished are named. Nothing is left running either way.
+killed and the ranks that had not finished are named. Nothing is left running either way, nor
+when the caller itself is killed (SIGKILL, or a SIGTERM that skips its `finally`): each rank
+exits when its end of a pipe that only the caller holds open reads EOF.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_lib
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -49,18 +52,24 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, nodes: int
                LOCAL_WORLD_SIZE=str(world_size // nodes), PARATRAIN_BACKEND=backend)
     # not daemonic, so that a rank may start DataLoader workers as under torchrun; the `finally`
     # below kills every rank on every way out
+    # the forkserver outlives a killed caller (its children hold its own lifeline open), so each
+    # rank watches a pipe whose only writing end is this process's: EOF means the caller is gone
+    caller_gone, caller_alive = ctx.Pipe(duplex=False)
     procs = [ctx.Process(target=_rank_main, daemon=False,
-                         args=(fn, rank, env, threads, collective_timeout, args, kwargs, results))
+                         args=(fn, rank, env, threads, collective_timeout, args, kwargs, results, caller_gone))
              for rank in range(world_size)]
-    for p in procs:
-        p.start()
     try:
+        for p in procs:
+            p.start()
         return _collect(procs, results, timeout)
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
-            p.join(5)
+            if p.pid is not None:
+                p.join(5)
+        caller_gone.close()
+        caller_alive.close()
 
 
 def _collect(procs, results, timeout: float) -> list[Any]:
@@ -87,7 +96,17 @@ def _check_alive(procs, done, deadline: float, timeout: float) -> None:
         raise RankFailure(f"ranks {missing} did not finish within {timeout:.0f} s")
 
 
-def _rank_main(fn, rank, env, threads, collective_timeout, args, kwargs, results) -> None:
+def _exit_with_caller(caller_gone) -> None:
+    """Block until the caller's end of the pipe closes (the caller sends nothing), then exit."""
+    try:
+        caller_gone.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
+
+
+def _rank_main(fn, rank, env, threads, collective_timeout, args, kwargs, results, caller_gone) -> None:
+    threading.Thread(target=_exit_with_caller, args=(caller_gone,), daemon=True, name="caller-watch").start()
     local_world = int(env["LOCAL_WORLD_SIZE"])
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank % local_world),
                       GROUP_RANK=str(rank // local_world))

@@ -1,4 +1,7 @@
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -180,3 +183,55 @@ def test_subgroups_inherit_the_collective_timeout():
         run_on_ranks(_skip_on_subgroup, 4, nodes=2, timeout=60, collective_timeout=3)
     assert time.monotonic() - start < 20
 
+
+
+CALLER = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from paratrain.testing import run_on_ranks
+from test_topology import _sleep_after_writing_pid
+
+if __name__ == "__main__":
+    run_on_ranks(_sleep_after_writing_pid, 2, {out!r}, timeout=300)
+"""
+
+
+def _sleep_after_writing_pid(topo, out):
+    with open(os.path.join(out, f"rank{topo.rank}.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(out, f"rank{topo.rank}.tmp"), os.path.join(out, f"rank{topo.rank}"))
+    time.sleep(120)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see which processes run")
+def test_ranks_exit_when_the_caller_is_killed(tmp_path):
+    """A caller killed by SIGKILL runs no `finally`: its ranks must see it go by themselves, not
+    sleep on (the forkserver that started them outlives the caller while they live)."""
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER.format(tests=os.path.dirname(os.path.abspath(__file__)), out=str(tmp_path)))
+    caller = subprocess.Popen([sys.executable, str(script)])
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"rank{r}").exists() for r in range(2)):
+            assert caller.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+        assert all(_running(pid) for pid in pids)
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 15
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in pids if _running(pid)]
+    for pid in alive:  # do not leave them behind when the check fails
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"ranks {alive} still ran 15 s after their caller was killed"
