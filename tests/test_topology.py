@@ -11,6 +11,7 @@ import torch
 import paratrain as pt
 from paratrain.testing import RankFailure, run_on_ranks
 from paratrain.topology import DRAIN_S, first_slurm_host, free_port
+from test_cli import _running
 
 
 def test_plain_single_process_needs_no_environment():
@@ -201,14 +202,6 @@ def _sleep_after_writing_pid(topo, out):
         f.write(str(os.getpid()))
     os.replace(os.path.join(out, f"rank{topo.rank}.tmp"), os.path.join(out, f"rank{topo.rank}"))
     time.sleep(120)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see which processes run")
