@@ -185,9 +185,8 @@ def test_subgroups_inherit_the_collective_timeout():
     assert time.monotonic() - start < 20
 
 
-
 CALLER = """
-import os, sys, time
+import sys
 sys.path.insert(0, {tests!r})
 from paratrain.testing import run_on_ranks
 from test_topology import _sleep_after_writing_pid
