@@ -1,5 +1,4 @@
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -11,7 +10,8 @@ import torch
 import paratrain as pt
 from paratrain.testing import RankFailure, run_on_ranks
 from paratrain.topology import DRAIN_S, first_slurm_host, free_port
-from test_cli import _running
+from test_cli import _running, assert_no_worker_left
+from test_launcher_faults import _wait_for
 
 
 def test_plain_single_process_needs_no_environment():
@@ -197,9 +197,9 @@ if __name__ == "__main__":
 
 
 def _sleep_after_writing_pid(topo, out):
-    with open(os.path.join(out, f"rank{topo.rank}.tmp"), "w") as f:
+    with open(os.path.join(out, f"pid{topo.rank}.tmp"), "w") as f:
         f.write(str(os.getpid()))
-    os.replace(os.path.join(out, f"rank{topo.rank}.tmp"), os.path.join(out, f"rank{topo.rank}"))
+    os.replace(os.path.join(out, f"pid{topo.rank}.tmp"), os.path.join(out, f"pid{topo.rank}"))
     time.sleep(120)
 
 
@@ -211,19 +211,9 @@ def test_ranks_exit_when_the_caller_is_killed(tmp_path):
     script.write_text(CALLER.format(tests=os.path.dirname(os.path.abspath(__file__)), out=str(tmp_path)))
     caller = subprocess.Popen([sys.executable, str(script)])
     try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"rank{r}").exists() for r in range(2)):
-            assert caller.poll() is None and time.monotonic() < deadline, "the ranks never started"
-            time.sleep(0.2)
-        pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
-        assert all(_running(pid) for pid in pids)
+        _wait_for([tmp_path / f"pid{r}" for r in range(2)], timeout=120)
+        assert all(_running(int((tmp_path / f"pid{r}").read_text())) for r in range(2))
     finally:
         caller.kill()
         caller.wait()
-    deadline = time.monotonic() + 15
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    alive = [pid for pid in pids if _running(pid)]
-    for pid in alive:  # do not leave them behind when the check fails
-        os.kill(pid, signal.SIGKILL)
-    assert not alive, f"ranks {alive} still ran 15 s after their caller was killed"
+    assert_no_worker_left(tmp_path, 2)
