@@ -407,3 +407,24 @@ def test_ddp_and_zero3_copy_each_gradient_into_their_buffers_once_per_backward()
     zero3 = predict_time(source, pt.ZeRO(stage=3), facts.step, here, gpus=1, nodes=1, facts=facts)
     assert zero3.compute - single.compute == pytest.approx(gradient_copy(grads, here, world=1)
                                                            + zero3_local_copies(grads, here, world=1))
+
+
+def test_every_strategy_plans_the_same_on_the_shared_model_as_on_a_fresh_one():
+    """A plan reads one model, built once (ModelSource.shared), for every strategy's memory and
+    time: planning some strategies first must not change what another one gets."""
+    from paratrain.plan.memory_table import memory_rows, strategies
+
+    h100 = preset("h100-8x")
+    source = resolve("gpt2")
+    facts = model_facts(source, 8, seq=64)
+    chosen = strategies(8, 8, offload=True)
+    assert {s.name for s in chosen} >= {"ddp", "hierarchical", "zero1", "zero2", "zero3", "pipeline"}
+    how = dict(gpus=8, gpus_per_node=8, optimizer="adam", activation_bytes=facts.step.activation_peak_bytes,
+               step=facts.step)
+    shared = memory_rows(source, chosen=chosen, **how)
+    times = [predict_time(source, s, facts.step, h100, gpus=8, nodes=1, facts=facts) for s in chosen]
+    for strategy, row, seconds in zip(chosen, shared, times):
+        fresh = resolve("gpt2")  # its own model, built for this strategy alone
+        assert memory_rows(fresh, chosen=[strategy], **how) == [row], row["label"]
+        assert predict_time(fresh, strategy, facts.step, h100, gpus=8, nodes=1, facts=facts) == seconds
+    assert source.shared is source.shared and source.build() is not source.build()

@@ -150,6 +150,54 @@ def test_the_root_s_big_parameters_get_flats_of_their_own():
     assert units.flats_by_unit(alone, {p: 0 for p in model.parameters()})[""] == [list(alone[""])]
 
 
+def test_a_parameter_belongs_to_the_deepest_unit_that_holds_every_name_it_has():
+    """units.innermost_unit looks a parameter's unit up by its names' prefixes; it must give what
+    the definition gives, a scan of every unit, for nested units, tied names, and look-alike names
+    ("blocks.1" is not inside "blocks.10")."""
+    from paratrain.parallel.zero.units import innermost_unit
+    units = ["blocks", "blocks.1", "blocks.10", "blocks.1.attn", "head", "blocks.1.attn.q"]
+    cases = [["blocks.1.attn.q.weight"], ["blocks.1.attn.k.weight"], ["blocks.10.weight"], ["blocks.1.mlp.bias"],
+             ["blocks.1.attn.q.weight", "blocks.1.mlp.weight"], ["blocks.1.attn.q.weight", "blocks.10.weight"],
+             ["emb.weight", "head.weight"], ["head.weight"], ["norm.weight"], ["blocks.2.weight"]]
+    for names in cases:
+        scanned = max([u for u in units if all(n.startswith(u + ".") for n in names)], key=len, default="")
+        assert innermost_unit(names, set(units)) == scanned, names
+    assert [innermost_unit(n, set(units)) for n in cases[:3]] == ["blocks.1.attn.q", "blocks.1.attn", "blocks.10"]
+    assert [innermost_unit(n, set(units)) for n in cases[4:7]] == ["blocks.1", "blocks", ""]
+
+
+def test_min_params_counts_what_no_unit_inside_holds():
+    """WrapPolicy(min_params) looks each parameter's units up by prefix; it must choose what the
+    definition chooses, a scan of the chosen units for every parameter, at every threshold, on
+    nested blocks with names that share a prefix ("1" and "10") and a tied weight."""
+    from paratrain.parallel.zero.wrap_policy import NEVER_CALLED, WrapPolicy
+
+    def scanned(policy, root):
+        chosen = []
+        for name, module in reversed(list(root.named_modules())):
+            if not name or isinstance(module, NEVER_CALLED):
+                continue
+            inner = [c for c in chosen if c.startswith(name + ".")]
+            free = sum(p.numel() for n, p in module.named_parameters()
+                       if not any(f"{name}.{n}".startswith(c + ".") for c in inner))
+            if isinstance(module, policy.module_classes) or (policy.min_params > 0 and free >= policy.min_params):
+                chosen.append(name)
+        return chosen
+
+    def block(width):
+        return nn.Sequential(nn.Linear(width, width), nn.Sequential(nn.Linear(width, 2 * width), nn.Linear(2 * width, width)))
+
+    model = nn.Sequential(*[block(w) for w in (3, 5, 8, 2, 4, 6, 3, 5, 7, 9, 4)], nn.Linear(9, 9))
+    model[10][0].weight = model[1][0].weight = nn.Parameter(torch.randn(4, 4))  # tied across blocks
+    model[1][0].bias = nn.Parameter(torch.randn(4))
+    thresholds = sorted({p.numel() for p in model.parameters()} | {40, 100, 300, 10**6})
+    picks = [WrapPolicy(min_params=t).select(model) for t in thresholds]
+    assert picks == [scanned(WrapPolicy(min_params=t), model) for t in thresholds]
+    assert len({tuple(p) for p in picks}) > 4  # the thresholds choose different units
+    linear = WrapPolicy(module_classes=(nn.Linear,), min_params=60)
+    assert linear.select(model) == scanned(linear, model)
+
+
 class _TiedWithGaps(nn.Module):
     """Root parameters (the tied embedding, two LayerNorms) used between the Linear units."""
 

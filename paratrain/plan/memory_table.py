@@ -45,7 +45,7 @@ def memory_rows(source: ModelSource, *, gpus: int, gpus_per_node: int | None, op
     for strategy in chosen if chosen is not None else strategies(gpus):
         row: dict = {"strategy": strategy.name, "label": label(strategy)}
         try:
-            ranks = predict(source.build(), strategy, world=gpus, optimizer=optimizer,
+            ranks = predict(source.shared, strategy, world=gpus, optimizer=optimizer,
                             local_world=min(gpus_per_node or gpus, gpus), activation_bytes=activation_bytes,
                             foreach=foreach, accumulate=accumulate, step=step)
         except ParatrainError as e:  # a strategy that does not fit this model or world

@@ -109,7 +109,7 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
     compute = step_time.Compute.of(step.flops_forward, step.flops_backward, cluster, FLOPS_DTYPE[facts.precision],
                                    world=gpus, nodes=nodes, activation_bytes=step.activation_bytes,
                                    matmuls=step.matmuls, traffic=step.traffic, fraction=at_once)
-    model = source.build()
+    model = source.shared
     sent = traffic(model, strategy, world=gpus, local_world=gpus // nodes)
     how = {"sent": sent, "cluster": cluster, "gpus": gpus, "nodes": nodes, "step": step, "model": model}
     micro = compute.share(1 / accumulate)  # one micro-batch of the batch on one device

@@ -26,16 +26,22 @@ class WrapPolicy:
         for name, module in reversed(list(root.named_modules())):
             if not name or isinstance(module, NEVER_CALLED):
                 continue
-            if isinstance(module, self.module_classes) or self._big_enough(name, module, chosen):
+            if isinstance(module, self.module_classes) or self._big_enough(name, module, set(chosen)):
                 chosen.append(name)
         return chosen
 
-    def _big_enough(self, name: str, module: nn.Module, chosen: list[str]) -> bool:
+    def _big_enough(self, name: str, module: nn.Module, chosen: set[str]) -> bool:
+        """Whether `module` holds min_params parameters outside the units chosen inside it: a
+        parameter is inside one when a prefix of its path under `module` names a chosen unit
+        (looked up by prefix: a scan of the chosen units for each parameter took 3.7 s of
+        `paratrain plan llama-2-70b`)."""
         if self.min_params <= 0:
             return False
-        inner = [c for c in chosen if c.startswith(name + ".")]
-        free = sum(p.numel() for n, p in module.named_parameters()
-                   if not any(f"{name}.{n}".startswith(c + ".") for c in inner))
+        free = 0
+        for n, p in module.named_parameters():
+            parts = n.split(".")
+            if not any(f"{name}.{'.'.join(parts[:i])}" in chosen for i in range(1, len(parts))):
+                free += p.numel()
         return free >= self.min_params
 
 
