@@ -27,6 +27,23 @@ def test_digits_demo_with_two_ranks_reaches_095(tmp_path, strategy):
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
+def test_the_demo_reads_the_same_digits_as_sklearn_without_importing_it(tmp_path):
+    import numpy as np
+    from sklearn.datasets import load_digits  # the reference, imported by the test only
+
+    code = ("import importlib.util, sys, numpy; spec = importlib.util.spec_from_file_location('d', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); x, y = m._load_digits(); "
+            "numpy.save(sys.argv[2], numpy.concatenate([x, y[:, None]], 1)); print('sklearn' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "examples", "digits.py"),
+                           str(tmp_path / "digits.npy")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"  # the demo's ranks never import sklearn (1.3 s each)
+    table = np.load(tmp_path / "digits.npy")
+    x, y = load_digits(return_X_y=True)
+    assert table.shape == (1797, 65)
+    assert np.array_equal(table[:, :-1], x) and np.array_equal(table[:, -1].astype(int), y)
+
+
 def test_readme_test_command_is_what_ci_runs():
     readme = open(os.path.join(ROOT, "README.md")).read()
     ci = open(os.path.join(ROOT, ".ci", "run")).read().strip().splitlines()[-1]
