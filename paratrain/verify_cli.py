@@ -130,6 +130,9 @@ def report(difference: Difference | None, worst: dict, *, ranks: int, strategy: 
             "is the earliest the error reached)")
 
 
+SCRIPT = "script"  # in --strategy: the strategy the script itself chooses
+
+
 def add_verify_parser(commands) -> None:
     verify = commands.add_parser(
         "verify", help="check a job on N processes against one process, step by step",
@@ -139,7 +142,7 @@ def add_verify_parser(commands) -> None:
                         help="processes of the checked run (default: 2)")
     verify.add_argument("--steps", type=int, default=3, help="optimizer steps to check (default: 3)")
     verify.add_argument("--strategy", help="the checked run's strategy, or several comma-separated, each "
-                        "checked against the same reference (default: the script's own)")
+                        "checked against the same reference; 'script' is the script's own (the default)")
     verify.add_argument("--rtol", type=float, help="relative tolerance (default by precision: 1e-4 for "
                         "fp32, 3e-2 for bf16/fp16)")
     verify.add_argument("--atol", type=float, help="absolute tolerance (default by precision)")
@@ -154,7 +157,7 @@ def verify(args: argparse.Namespace) -> int:
     script's own); 0 when every one agrees with the reference, 1 otherwise."""
     if args.nproc_per_node < 1 or args.steps < 1:
         raise ConfigError("-n and --steps must be at least 1")
-    strategies = args.strategy.split(",") if args.strategy else [None]
+    strategies = [None if s == SCRIPT else s for s in args.strategy.split(",")] if args.strategy else [None]
     work = Path(tempfile.mkdtemp(prefix="paratrain-verify-"))
     try:
         reference = _run(args, work / "reference", 1, "single")
