@@ -222,6 +222,15 @@ MUTANTS = [
            "paratrain/parallel/zero/units.py",
            (("alone=OWN_FLAT_ELEMENTS if wrapped and not name else None)", "alone=None)"),),
            ("tests/test_zero_memory.py",)),
+    Mutant("tied-unit-by-one-name", "a weight tied across units goes to one of its names' units, not to "
+           "the unit that holds both", "paratrain/parallel/zero/units.py",
+           (("common = prefixes if common is None else common & prefixes",
+             "common = prefixes if common is None else common | prefixes"),),
+           ("tests/test_zero_memory.py",)),
+    Mutant("min-params-counts-wrapped", "min_params counts parameters a unit inside already holds "
+           "(a module directly under the chosen one)", "paratrain/parallel/zero/wrap_policy.py",
+           (("for i in range(1, len(parts)))", "for i in range(2, len(parts)))"),),
+           ("tests/test_zero_memory.py",)),
     Mutant("step-holds-outputs", "train_step keeps the model's outputs (a GPT's logits) alive through backward",
            "paratrain/parallel/base.py",
            (("        del outputs\n", "        outputs = outputs\n"),),
