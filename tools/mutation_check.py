@@ -224,12 +224,12 @@ MUTANTS = [
            ("tests/test_zero_memory.py",)),
     Mutant("tied-unit-by-one-name", "a weight tied across units goes to one of its names' units, not to "
            "the unit that holds both", "paratrain/parallel/zero/units.py",
-           (("common = prefixes if common is None else common & prefixes",
-             "common = prefixes if common is None else common | prefixes"),),
+           (("common = enclosing if common is None else common & enclosing",
+             "common = enclosing if common is None else common | enclosing"),),
            ("tests/test_zero_memory.py",)),
     Mutant("min-params-counts-wrapped", "min_params counts parameters a unit inside already holds "
            "(a module directly under the chosen one)", "paratrain/parallel/zero/wrap_policy.py",
-           (("for i in range(1, len(parts)))", "for i in range(2, len(parts)))"),),
+           (("for m in enclosing_modules(n)))", "for m in enclosing_modules(n)[1:]))"),),
            ("tests/test_zero_memory.py",)),
     Mutant("step-holds-outputs", "train_step keeps the model's outputs (a GPT's logits) alive through backward",
            "paratrain/parallel/base.py",

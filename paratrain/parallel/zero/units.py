@@ -14,6 +14,7 @@ from torch import nn
 
 from paratrain.errors import UsageError
 from paratrain.parallel.zero.flat_shard import FlatShard, ParamSlot
+from paratrain.parallel.zero.wrap_policy import enclosing_modules
 
 
 class TrainingState(enum.Enum):
@@ -39,9 +40,8 @@ def innermost_unit(param_names: list[str], units: set[str]) -> str:
     default wrap policy and 723 parameters, and a scan cost `paratrain plan` 3 s of its 20."""
     common: set[str] | None = None
     for name in param_names:
-        parts = name.split(".")
-        prefixes = {".".join(parts[:i]) for i in range(1, len(parts))}
-        common = prefixes if common is None else common & prefixes
+        enclosing = set(enclosing_modules(name))
+        common = enclosing if common is None else common & enclosing
     return max((u for u in common or () if u in units), key=len, default="")
 
 
