@@ -120,3 +120,44 @@ def test_the_augmentation_really_draws_from_every_random_state():
         torch.manual_seed(0), random.seed(0), np.random.seed(0)
         reseed()
         assert not torch.equal(data[0][0], first)
+
+
+def _same_numpy_state(a, b):
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+def test_the_step_snapshot_of_numpy_is_get_state_after_any_draws():
+    """rng_state() reads NumPy's state whole only when its generator words moved or a cached
+    gaussian could have: after draws of every kind, odd numbers of gaussians (one left cached, then
+    used without moving a word) and reseeding, it equals np.random.get_state() every time."""
+    from paratrain.random_state import NumpyState, rng_state, rng_tensors, set_rng_state
+
+    numpy_state = NumpyState()
+    actions = [lambda: None, lambda: np.random.rand(3), lambda: np.random.standard_normal(),
+               lambda: np.random.standard_normal(2), lambda: np.random.seed(5), lambda: np.random.randint(9)]
+    picks = random.Random(0)
+    np.random.seed(0)
+    for _ in range(300):
+        actions[picks.randrange(len(actions))]()
+        assert _same_numpy_state(numpy_state.state(), np.random.get_state())
+    assert numpy_state.address, "the fast read was never taken: every call read the state whole"
+
+    np.random.seed(2)
+    np.random.standard_normal()  # a gaussian left cached ...
+    saved = rng_tensors(rng_state())
+    assert rng_state()["numpy"][3] == 1
+    np.random.standard_normal()  # ... and used: no word moved
+    assert rng_state()["numpy"][3] == 0
+    set_rng_state(saved)  # our restore brings the cached gaussian back
+    assert _same_numpy_state(rng_state()["numpy"], np.random.get_state()) and np.random.get_state()[3] == 1
+
+
+def test_the_numpy_snapshot_reads_whole_where_the_words_are_not_mt19937s(monkeypatch):
+    from paratrain.random_state import NumpyState
+
+    numpy_state = NumpyState()
+    monkeypatch.setattr(NumpyState, "WORDS", NumpyState.WORDS - 4)  # a layout the check refuses
+    np.random.seed(1)
+    assert _same_numpy_state(numpy_state.state(), np.random.get_state()) and numpy_state.address == 0
+    np.random.standard_normal()
+    assert _same_numpy_state(numpy_state.state(), np.random.get_state())

@@ -231,6 +231,14 @@ MUTANTS = [
            "(a module directly under the chosen one)", "paratrain/parallel/zero/wrap_policy.py",
            (("for m in enclosing_modules(n)))", "for m in enclosing_modules(n)[1:]))"),),
            ("tests/test_zero_memory.py",)),
+    Mutant("numpy-cache-ignores-gaussian", "the step's NumPy snapshot is reused while a cached gaussian "
+           "may have been used since (no generator word moves)", "paratrain/random_state.py",
+           (("self.last[0] == words and not self.last[1][3]:", "self.last[0] == words:"),),
+           ("tests/test_resume.py",)),
+    Mutant("numpy-restore-keeps-cache", "set_rng_state keeps the last NumPy snapshot after restoring "
+           "another state", "paratrain/random_state.py",
+           (("    _NUMPY.forget()\n", "    pass\n"),),
+           ("tests/test_resume.py",)),
     Mutant("step-holds-outputs", "train_step keeps the model's outputs (a GPT's logits) alive through backward",
            "paratrain/parallel/base.py",
            (("        del outputs\n", "        outputs = outputs\n"),),
