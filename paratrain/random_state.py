@@ -4,11 +4,13 @@ optimizer step and encoded only when a checkpoint is written."""
 
 from __future__ import annotations
 
+import _random
 import ctypes
 import json
 import random
+import struct
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -25,60 +27,91 @@ def json_of(blob: torch.Tensor) -> Any:
 def rng_state() -> dict[str, Any]:
     """This process's random states as they are (torch, CUDA, Python's random, NumPy's): a few
     copies, cheap enough for every optimizer step; `rng_tensors` makes them a checkpoint's."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _NUMPY.state()}
+    state = {"torch": torch.get_rng_state(), "python": _PYTHON.state(), "numpy": _NUMPY.state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-class NumpyState:
-    """NumPy's global random state, `np.random.get_state()`, for about 1 us where that call takes
-    about 33 (a session with accumulate > 1 takes it at every optimizer step: resume.position).
-    Its generator's words (MT19937: 624 keys and a position, 2,500 bytes) are read straight from
-    memory and compared with those of the last state read whole; the same words give the same
-    state unless a cached gaussian may have changed without them: where the last state held one
-    (a gaussian draw that uses the cache moves no word), or after `set_state`. Our own restore
-    (set_rng_state) forgets the last state; a user's `np.random.set_state` to a state with the
-    current words and a cached gaussian that the current state lacks is the one change missed.
-    Where the words cannot be read as MT19937's (another NumPy layout), every call reads whole."""
+class WatchedState:
+    """A Mersenne Twister's state as `read()` gives it, read again only when the generator's
+    words in memory (624 keys and a position, 2,500 bytes), or `extra()`, differ from those of the
+    last read. A session with accumulate > 1 takes the states at every optimizer step
+    (resume.position): np.random.get_state() takes 33 us, and random.getstate() 9, or 27 in a
+    training loop after backward and the optimizer have run; comparing the words takes about 1.
 
-    WORDS = 624 * 4 + 4
+    The words are found once (`address()`) and checked against `words_of(read())`; where they do
+    not match (another layout or build), every call reads whole. `reusable(state)`: whether
+    unchanged words and extra imply an unchanged state."""
 
-    def __init__(self) -> None:
-        self.last: tuple[bytes, tuple] | None = None
-        self.address: int | None = None  # where the words are; 0: not readable, read whole
+    SIZE = 624 * 4 + 4
 
-    def state(self) -> tuple:
-        import numpy as np
+    def __init__(self, read: Callable[[], Any], address: Callable[[], int], words_of: Callable[[Any], bytes],
+                 extra: Callable[[], Any] = lambda: None, reusable: Callable[[Any], bool] = lambda state: True):
+        self.read, self.address, self.words_of, self.extra, self.reusable = read, address, words_of, extra, reusable
+        self.memory: Any = None  # a ctypes view of the words; False: not readable, read whole
+        self.last: tuple[bytes, Any, Any] | None = None  # (words, extra, state) of the last read
 
-        if self.address is None:
-            self.address = self._find(np)
-        if not self.address:
-            return np.random.get_state()
-        words = ctypes.string_at(self.address, self.WORDS)
-        if self.last is not None and self.last[0] == words and not self.last[1][3]:  # [3]: has_gauss
-            return self.last[1]
-        state = np.random.get_state()
-        self.last = (words, state)
+    def state(self) -> Any:
+        if self.memory is None:
+            self.memory = self._find()
+        if self.memory is False:
+            return self.read()
+        words, extra = self.memory.raw, self.extra()
+        last = self.last
+        if last is not None and last[0] == words and last[1] == extra and self.reusable(last[2]):
+            return last[2]
+        state = self.read()
+        self.last = (words, extra, state)
         return state
 
     def forget(self) -> None:
+        """The state was set from outside (set_rng_state): read it whole next time."""
         self.last = None
 
-    def _find(self, np: Any) -> int:
-        """The address of the global generator's words, once checked against get_state(); else 0."""
+    def _find(self) -> Any:
         try:
-            address = np.random.mtrand._rand._bit_generator.ctypes.state_address
-            words = ctypes.string_at(address, self.WORDS)
-        except (AttributeError, TypeError, ValueError):
-            return 0
-        kind, keys, pos, _, _ = np.random.get_state()
-        same = (kind == "MT19937" and np.frombuffer(words[:-4], dtype=np.uint32).tolist() == keys.tolist()
-                and int.from_bytes(words[-4:], sys.byteorder, signed=True) == pos)
-        return address if same else 0
+            memory = (ctypes.c_char * self.SIZE).from_address(self.address())
+            return memory if memory.raw == self.words_of(self.read()) else False
+        except (AttributeError, ImportError, TypeError, ValueError, OverflowError, struct.error):
+            return False
 
 
-_NUMPY = NumpyState()
+def _numpy_get() -> tuple:
+    import numpy as np
+
+    return np.random.get_state()
+
+
+def _numpy_address() -> int:
+    import numpy as np
+
+    return np.random.mtrand._rand._bit_generator.ctypes.state_address  # MT19937: uint32 key[624]; int pos
+
+
+def _numpy_words(state: tuple) -> bytes:
+    kind, keys, pos, _, _ = state
+    return keys.astype("=u4").tobytes() + struct.pack("=i", pos) if kind == "MT19937" else b""
+
+
+def _python_address() -> int:
+    """Where CPython's random object keeps `int index; uint32_t state[624]` (after its 16-byte
+    object header); refused where reading there could leave the object (another build)."""
+    if sys.implementation.name != "cpython" or _random.Random.__basicsize__ < 16 + WatchedState.SIZE:
+        raise ValueError("not CPython's layout")
+    return id(random._inst) + 16
+
+
+def _python_words(state: tuple) -> bytes:
+    _, words, _ = state  # (version, 624 keys and the index, gauss_next)
+    return struct.pack("=i624I", words[-1], *words[:-1])
+
+
+# NumPy's legacy state also holds a cached gaussian (has_gauss): using it moves no word, so a
+# state that held one is read whole. Missed: a user's np.random.set_state to a state with the
+# current words and a cached gaussian the current one lacks (our set_rng_state forgets).
+_NUMPY = WatchedState(_numpy_get, _numpy_address, _numpy_words, reusable=lambda state: not state[3])
+_PYTHON = WatchedState(random.getstate, _python_address, _python_words, extra=lambda: random._inst.gauss_next)
 
 
 def rng_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -101,3 +134,4 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     kind, keys, pos, has_gauss, cached = plain["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     _NUMPY.forget()
+    _PYTHON.forget()

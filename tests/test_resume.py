@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import paratrain as pt
+from paratrain import random_state as rs
 from paratrain.precision import GradScaler
 from paratrain.testing import assert_same_params, run_on_ranks
 from models import make_batches, make_model
@@ -126,38 +127,43 @@ def _same_numpy_state(a, b):
     return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
 
 
-def test_the_step_snapshot_of_numpy_is_get_state_after_any_draws():
-    """rng_state() reads NumPy's state whole only when its generator words moved or a cached
-    gaussian could have: after draws of every kind, odd numbers of gaussians (one left cached, then
-    used without moving a word) and reseeding, it equals np.random.get_state() every time."""
-    from paratrain.random_state import NumpyState, rng_state, rng_tensors, set_rng_state
+def test_the_step_snapshot_is_get_state_after_any_draws():
+    """rng_state() reads Python's and NumPy's states whole only when their generator words moved
+    or a cached gaussian could have: after draws of every kind, odd numbers of gaussians (one is
+    left cached, then used without moving a word) and reseeding, it equals getstate() and
+    np.random.get_state() every time, and the words were read (not every state read whole)."""
+    from paratrain.random_state import rng_state, rng_tensors, set_rng_state
 
-    numpy_state = NumpyState()
     actions = [lambda: None, lambda: np.random.rand(3), lambda: np.random.standard_normal(),
-               lambda: np.random.standard_normal(2), lambda: np.random.seed(5), lambda: np.random.randint(9)]
+               lambda: np.random.standard_normal(2), lambda: np.random.seed(5), lambda: np.random.randint(9),
+               lambda: random.random(), lambda: random.gauss(0.0, 1.0), lambda: random.seed(5)]
     picks = random.Random(0)
-    np.random.seed(0)
-    for _ in range(300):
+    np.random.seed(0), random.seed(0)
+    for _ in range(400):
         actions[picks.randrange(len(actions))]()
-        assert _same_numpy_state(numpy_state.state(), np.random.get_state())
-    assert numpy_state.address, "the fast read was never taken: every call read the state whole"
+        state = rng_state()
+        assert _same_numpy_state(state["numpy"], np.random.get_state()) and state["python"] == random.getstate()
+    assert rs._NUMPY.memory and rs._PYTHON.memory, "every state was read whole"
 
-    np.random.seed(2)
-    np.random.standard_normal()  # a gaussian left cached ...
+    np.random.seed(2), random.seed(2)
+    np.random.standard_normal(), random.gauss(0.0, 1.0)  # a gaussian left cached in each ...
     saved = rng_tensors(rng_state())
-    assert rng_state()["numpy"][3] == 1
-    np.random.standard_normal()  # ... and used: no word moved
-    assert rng_state()["numpy"][3] == 0
-    set_rng_state(saved)  # our restore brings the cached gaussian back
-    assert _same_numpy_state(rng_state()["numpy"], np.random.get_state()) and np.random.get_state()[3] == 1
+    assert rng_state()["numpy"][3] == 1 and rng_state()["python"][2] is not None
+    np.random.standard_normal(), random.gauss(0.0, 1.0)  # ... and used: no word moved
+    assert rng_state()["numpy"][3] == 0 and rng_state()["python"][2] is None
+    set_rng_state(saved)  # our restore brings the cached gaussians back
+    state = rng_state()
+    assert _same_numpy_state(state["numpy"], np.random.get_state()) and np.random.get_state()[3] == 1
+    assert state["python"] == random.getstate() and random.getstate()[2] is not None
 
 
-def test_the_numpy_snapshot_reads_whole_where_the_words_are_not_mt19937s(monkeypatch):
-    from paratrain.random_state import NumpyState
+def test_the_snapshot_reads_whole_where_the_words_are_elsewhere():
+    """Words that do not match the state read whole (another layout) turn the cache off."""
+    from paratrain.random_state import WatchedState
 
-    numpy_state = NumpyState()
-    monkeypatch.setattr(NumpyState, "WORDS", NumpyState.WORDS - 4)  # a layout the check refuses
-    np.random.seed(1)
-    assert _same_numpy_state(numpy_state.state(), np.random.get_state()) and numpy_state.address == 0
-    np.random.standard_normal()
-    assert _same_numpy_state(numpy_state.state(), np.random.get_state())
+    python_state = WatchedState(random.getstate, lambda: rs._python_address() + 4, rs._python_words)
+    numpy_state = WatchedState(rs._numpy_get, lambda: rs._numpy_address() + 4, rs._numpy_words)
+    for draw in (lambda: None, lambda: (random.random(), np.random.rand())):
+        draw()
+        assert python_state.state() == random.getstate() and python_state.memory is False
+        assert _same_numpy_state(numpy_state.state(), np.random.get_state()) and numpy_state.memory is False

@@ -233,11 +233,14 @@ MUTANTS = [
            ("tests/test_zero_memory.py",)),
     Mutant("numpy-cache-ignores-gaussian", "the step's NumPy snapshot is reused while a cached gaussian "
            "may have been used since (no generator word moves)", "paratrain/random_state.py",
-           (("self.last[0] == words and not self.last[1][3]:", "self.last[0] == words:"),),
+           (("reusable=lambda state: not state[3])", "reusable=lambda state: True)"),),
            ("tests/test_resume.py",)),
-    Mutant("numpy-restore-keeps-cache", "set_rng_state keeps the last NumPy snapshot after restoring "
-           "another state", "paratrain/random_state.py",
-           (("    _NUMPY.forget()\n", "    pass\n"),),
+    Mutant("python-cache-ignores-gaussian", "the step's snapshot of Python's random is reused after its "
+           "cached gaussian (gauss_next) was used", "paratrain/random_state.py",
+           (("extra=lambda: random._inst.gauss_next)", "extra=lambda: None)"),),
+           ("tests/test_resume.py",)),
+    Mutant("restore-keeps-cache", "set_rng_state keeps the last snapshots after restoring other states",
+           "paratrain/random_state.py", (("    _NUMPY.forget()\n    _PYTHON.forget()\n", "    pass\n"),),
            ("tests/test_resume.py",)),
     Mutant("step-holds-outputs", "train_step keeps the model's outputs (a GPT's logits) alive through backward",
            "paratrain/parallel/base.py",
