@@ -6,6 +6,7 @@ session is killed, so a failing test leaves nothing behind either.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -28,7 +29,13 @@ WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     import paratrain as pt
 
+    class Run:  # its log is in a reference cycle, held by a global: only the collector closes it
+        def __init__(self, path):
+            self.log, self.me = open(path, "w"), self
+
     out, mode = sys.argv[1], sys.argv[2]
+    run = Run(os.path.join(out, "log" + os.environ["RANK"]))
+    run.log.write("buffered, never flushed by the script")
     if mode == "restart" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         raise SystemExit("first attempt fails on purpose")
     topo = pt.Topology.from_env().init()
@@ -107,6 +114,8 @@ def test_script_runs_on_every_rank_with_its_arguments_unchanged(job):
     for rank, seen in enumerate(results(out, 2)):
         assert seen == dict(rank=rank, world=2, node=0, nodes=1, argv=["--flag", "value", "-n", "5"],
                             sum=3.0, malloc=str(2**30))  # cpu_malloc.py: freed blocks stay for the next step
+        # the ranks exit as Python does (cli.py [Note: a quick exit]): the cycle is collected, its file flushed
+        assert (out / f"log{rank}").read_text() == "buffered, never flushed by the script"
 
 
 def test_failing_rank_fails_the_job_and_stops_the_others(job):
@@ -151,6 +160,22 @@ def test_env_as_a_plain_process(tmp_path):
     line = proc.stdout.strip()
     assert line.startswith("[rank 0] rank=0 local_rank=0 world_size=1 ")
     assert "launcher=single" in line and "intra_node_ranks=0 inter_node_ranks=0" in line
+
+
+def test_only_processes_paratrain_started_leave_their_imports_out_of_collection(tmp_path):
+    """cli.py [Note: a quick exit]: the `paratrain` command's own process freezes what its imports
+    made; a process that imports paratrain, or calls cli.main, does not (nor do the ranks: above)."""
+    frozen = "import gc; print(gc.get_freeze_count())"
+    plain = subprocess.run([sys.executable, "-c", f"import paratrain; {frozen}"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert plain.stdout.split() == ["0"], plain.stderr[-2000:]
+    command = subprocess.run([sys.executable, "-c", "import sys; from paratrain import cli; "
+                              f"sys.argv = ['paratrain', 'env']; cli.main(); {frozen}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert int(command.stdout.split()[-1]) > 10000, command.stdout + command.stderr[-2000:]
+    before = gc.get_freeze_count()
+    cli.main(["env"])  # a caller's process (this one): its objects are its own business
+    assert gc.get_freeze_count() == before
 
 
 def test_env_under_run_prints_every_rank(tmp_path):

@@ -146,6 +146,21 @@ def test_readme_session_table_is_consistent_with_bench_json():
     assert len(rows) == len(bench["results"]) == 12
 
 
+def test_readme_launch_table_is_consistent_with_bench_json():
+    import json
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    bench = json.load(open(os.path.join(ROOT, "bench", "results", "launch.json")))
+    assert not bench["settings"]["quick"] and bench["settings"]["processes"] == 2
+    labels = {"torchrun": "torchrun", "paratrain": "paratrain run"}
+    for r in bench["results"]:
+        row = (f"| {labels[r['launcher']]} | {r['start_s']:.2f} | {r['imports_s']:.2f} | {r['script_s']:.2f} | "
+               f"{r['exit_s']:.2f} | {r['total_s']:.2f} | {r['ratio']:.3f} |")
+        assert row in readme, row
+    assert "runs a script that imports paratrain, opens a `Session(\"ddp\")` and closes it, on 2 ranks" in readme
+    assert f"alternately, {bench['settings']['rounds']} rounds;" in " ".join(readme.split())
+
+
 def test_readme_big_model_table_is_consistent_with_bench_json():
     import json
 

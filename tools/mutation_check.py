@@ -333,6 +333,14 @@ MUTANTS = [
            "paratrain/plan/zero3_backward.py",
            (("flat.arrived + (previous.full if previous else 0) + done", "flat.arrived + done"),),
            ("tests/test_plan_zero3_backward.py",)),
+    # the quick exit (cli.py [Note: a quick exit])
+    Mutant("cli-freezes-callers", "cli.main freezes the objects of a process that called it, not only the command's",
+           "paratrain/cli.py", (("    if argv is None:  # this process is the `paratrain` command", "    if True:  #"),),
+           ("tests/test_cli.py::test_only_processes_paratrain_started_leave_their_imports_out_of_collection",)),
+    Mutant("ranks-freeze", "every process that imports paratrain, a rank included, freezes what exists then",
+           "paratrain/__init__.py",
+           (("flight_hooks.install()  # every rank", "flight_hooks.install(); __import__('gc').freeze()  # every rank"),),
+           ("tests/test_cli.py::test_script_runs_on_every_rank_with_its_arguments_unchanged",)),
 ]
 
 
