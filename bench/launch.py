@@ -18,13 +18,16 @@ medians over rounds (the slowest rank's time where the ranks differ):
     exit      its last line until the launch command has exited
     total     the launch command until it has exited
 
-and the ratio of the totals, paratrain / torchrun. A job's fixed cost, paid by every
+and the ratio of the totals, paratrain / torchrun. paratrain's bytecode is written first, as
+`pip install` writes it (where PYTHONDONTWRITEBYTECODE is set, as on the development machines,
+every process would otherwise compile paratrain from source: ~0.3 s each). A job's fixed cost, paid by every
 `paratrain run` and twice by every `paratrain verify` of one strategy.
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import statistics
@@ -35,6 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
+import paratrain  # noqa: E402
 from common import add_force, load_at_start, print_table, write_results  # noqa: E402
 
 SCRIPT = '''\
@@ -80,6 +84,7 @@ def launch(name: str, n: int, script: Path, directory: Path) -> dict[str, float]
 
 
 def bench(args: argparse.Namespace) -> list[dict]:
+    compileall.compile_dir(os.path.dirname(paratrain.__file__), quiet=1)
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in LAUNCHERS}
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-launch-") as tmp:
         script, directory = Path(tmp) / "script.py", Path(tmp) / "times"
