@@ -18,10 +18,10 @@ medians over rounds (the slowest rank's time where the ranks differ):
     exit      its last line until the launch command has exited
     total     the launch command until it has exited
 
-and the ratio of the totals, paratrain / torchrun. paratrain's bytecode is written first, as
-`pip install` writes it (where PYTHONDONTWRITEBYTECODE is set, as on the development machines,
-every process would otherwise compile paratrain from source: ~0.3 s each). A job's fixed cost, paid by every
-`paratrain run` and twice by every `paratrain verify` of one strategy.
+and the ratio of the totals, paratrain / torchrun: a job's fixed cost, paid by every
+`paratrain run` and twice by every `paratrain verify` of one strategy. paratrain's bytecode is
+written first, as `pip install` writes it (where PYTHONDONTWRITEBYTECODE is set, as on the
+development machines, every process would otherwise compile paratrain from source: ~0.3 s each).
 """
 
 from __future__ import annotations

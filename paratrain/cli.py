@@ -10,7 +10,7 @@ A Python process that has imported torch spends most of a second leaving: the in
 collections walk, and free, every object the imports made (some 170,000: torch's modules,
 functions and classes). So the `paratrain` command moves what exists once its imports are done
 into the collector's permanent generation (gc.freeze): no collection walks them again, and at
-exit they are left to the operating system (a job of two ranks that does nothing ends ~0.6 s
+exit they are left to the operating system (a job of two ranks that does nothing ends 0.6-0.7 s
 sooner on 2 cores: README "Starting and ending a job"). No user code has run in this process by
 then, and what the command makes afterwards (`plan` imports the user's model) is collected as
 before. The ranks are left as Python has them: there a reference cycle the script keeps in a
