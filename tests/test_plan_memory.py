@@ -21,7 +21,7 @@ import paratrain as pt
 from paratrain.plan.memory import RankMemory, predict
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
 from paratrain.testing import run_on_ranks
-from models import mse_in_output_dtype, storage_of
+from models import counting_new_objects, mse_in_output_dtype, storage_of
 
 UNITS = pt.WrapPolicy(module_classes=(nn.Linear,))
 TINY = 0.0005  # MiB: a bucket cap of 524 bytes, so the model's gradients fill several buckets
@@ -117,7 +117,8 @@ def _held(topo, strategy: pt.Strategy, optimizer: str, window: bool = False) -> 
 
 
 def _measure(topo, optimizer: str, window: bool = False) -> dict[str, dict]:
-    return {name: _held(topo, s, optimizer, window) for name, s in _strategies(topo.world_size).items()}
+    with counting_new_objects():  # the model and what it makes: all that the counts look for
+        return {name: _held(topo, s, optimizer, window) for name, s in _strategies(topo.world_size).items()}
 
 
 def _predicted(strategy: pt.Strategy, world: int, optimizer: str, local_world: int,
