@@ -3,6 +3,7 @@ tied weights, unused parameters, parameter sizes not divisible by the world size
 
 import contextlib
 import gc
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -214,3 +215,25 @@ def counting_new_objects():
     finally:
         gc.unfreeze()
 
+
+def storages(tensors) -> dict[int, int]:
+    """Distinct storages of `tensors` that hold memory: data pointer → bytes."""
+    out = {}
+    for t in tensors:
+        storage = storage_of(t) if t is not None else None
+        if storage is not None and storage.nbytes():
+            out[storage.data_ptr()] = storage.nbytes()
+    return out
+
+
+def live_tensors() -> list[torch.Tensor]:
+    """Every tensor reachable from Python, after a collection."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated reduce_op warns
+        warnings.simplefilter("ignore", FutureWarning)
+        return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+
+
+def live_storages() -> dict[int, int]:
+    """Every tensor storage reachable from Python: data pointer → bytes."""
+    return storages(live_tensors())

@@ -9,9 +9,7 @@ exactly). Each must equal the prediction made from the same model built on the m
 the byte.
 """
 
-import gc
 import time
-import warnings
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ import paratrain as pt
 from paratrain.plan.memory import RankMemory, predict
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
 from paratrain.testing import run_on_ranks
-from models import counting_new_objects, mse_in_output_dtype, storage_of
+from models import counting_new_objects, live_storages, live_tensors, mse_in_output_dtype, storage_of, storages
 
 UNITS = pt.WrapPolicy(module_classes=(nn.Linear,))
 TINY = 0.0005  # MiB: a bucket cap of 524 bytes, so the model's gradients fill several buckets
@@ -55,34 +53,13 @@ OPTIMIZER_OF = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
                 "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}
 
 
-def _storages(tensors) -> dict[int, int]:
-    """Distinct storages of `tensors` that hold memory: data pointer → bytes."""
-    out = {}
-    for t in tensors:
-        storage = storage_of(t) if t is not None else None
-        if storage is not None and storage.nbytes():
-            out[storage.data_ptr()] = storage.nbytes()
-    return out
-
-
-def _tensors() -> list[torch.Tensor]:
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated reduce_op warns
-        warnings.simplefilter("ignore", FutureWarning)
-        return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-
-
-def _live() -> dict[int, int]:
-    return _storages(_tensors())
-
-
 def _held(topo, strategy: pt.Strategy, optimizer: str, window: bool = False) -> dict:
     """Bytes this rank holds after two steps, by kind; `window`: then zero_grad() and one backward
     under no_sync(), as the first micro-batch of a gradient accumulation window runs."""
     torch.manual_seed(0)
     x, y = torch.randn(4, 12), torch.randn(4, 7)
-    keep = _tensors()  # alive until the count: no address is reused
-    before = _live()
+    keep = live_tensors()  # alive until the count: no address is reused
+    before = live_storages()
     model = _model()
     wrapped, opt = strategy.setup(model, OPTIMIZER_OF[optimizer](model.parameters()), strategy.grid(topo))
     del model  # a pipeline rank keeps its stage only
@@ -98,20 +75,21 @@ def _held(topo, strategy: pt.Strategy, optimizer: str, window: bool = False) -> 
     params = [*wrapped.parameters(), *(p for g in opt.param_groups for p in g["params"])]
     # at rest: alive in two reads 50 ms apart. One read in some tens saw a gathered unit's buffer
     # that was gone by the next gc pass (a reference a backend thread dropped an instant later)
-    first = _live()
+    first = live_storages()
     time.sleep(0.05)
-    live = {ptr: n for ptr, n in _live().items() if ptr not in before and ptr in first}
-    held = {"params": _storages(params),
-            "optimizer": _storages(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
-            "via_grad": _storages(p.grad for p in params)}
+    live = {ptr: n for ptr, n in live_storages().items() if ptr not in before and ptr in first}
+    held = {"params": storages(params),
+            "optimizer": storages(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
+            "via_grad": storages(p.grad for p in params)}
     assert not set(held["params"]) & set(held["optimizer"]), "a storage counted twice"
     out: dict = {kind: sum(s.values()) for kind, s in held.items()}
     out["rest"] = sum(n for ptr, n in live.items() if ptr not in held["params"] and ptr not in held["optimizer"])
     out["unaccounted"] = sum(n for ptr, n in {**held["params"], **held["optimizer"]}.items() if ptr not in live)
     # for a failure's message: what is alive beyond parameters, optimizer state and .grad
     known = {**held["params"], **held["optimizer"], **held["via_grad"]}
-    out["unexplained"] = sorted((tuple(t.shape), str(t.dtype)) for t in _tensors() if (s := storage_of(t)) is not None
-                                and (ptr := s.data_ptr()) in live and ptr not in known)
+    out["unexplained"] = sorted((tuple(t.shape), str(t.dtype)) for t in live_tensors()
+                                if (s := storage_of(t)) is not None and (ptr := s.data_ptr()) in live
+                                and ptr not in known)
     del keep
     return out
 

@@ -1,7 +1,6 @@
 """Bytes each rank holds under ZeRO, counted from the live tensors, against the paper's formulas
 (Rajbhandari et al. 2020, Figure 1: fp32 Adam, K = 12 bytes of optimizer state per parameter)."""
 
-import gc
 import time
 
 import pytest
@@ -11,7 +10,7 @@ from torch import nn
 
 import paratrain as pt
 from paratrain.testing import run_on_ranks
-from models import mse_in_output_dtype, storage_of
+from models import live_storages, mse_in_output_dtype
 
 WIDTH, LAYERS = 63, 8  # sizes not divisible by 2 or 4: padding is counted too
 
@@ -24,25 +23,13 @@ def _model():
     return nn.Sequential(*layers)
 
 
-def _live_storages() -> dict[int, int]:
-    """Every tensor storage reachable from Python: data pointer → bytes."""
-    gc.collect()
-    out = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            storage = storage_of(obj)
-            if storage is not None and storage.nbytes():
-                out[storage.data_ptr()] = storage.nbytes()
-    return out
-
-
 def _bytes_after_step(topo, stage, param_dtype=None, bound=None):
     """Bytes of the storages the sharded model holds after a step. A reduction's buffer can stay
     referenced by gloo's worker thread for a moment after its work completed (seen once in a full
     suite on a loaded machine: one unit's 16 KiB over at world 4): above `bound`, the count is
     taken again for up to two seconds, so that only what stays is counted."""
     x = torch.randn(8, WIDTH)
-    before = _live_storages()  # the batch, and anything the harness holds
+    before = live_storages()  # the batch, and anything the harness holds
     model = _model()
     policy = pt.WrapPolicy(module_classes=(nn.Linear,))
     model, opt = pt.shard(model, torch.optim.Adam(model.parameters(), lr=1e-3), stage=stage,
@@ -50,7 +37,7 @@ def _bytes_after_step(topo, stage, param_dtype=None, bound=None):
     mse_in_output_dtype(model(x), x).backward()
     opt.step()  # held now: parameters, gradients and optimizer state (before zero_grad)
     deadline = time.monotonic() + 2.0
-    while (held := sum(n for ptr, n in _live_storages().items() if ptr not in before)) > (bound or held) \
+    while (held := sum(n for ptr, n in live_storages().items() if ptr not in before)) > (bound or held) \
             and time.monotonic() < deadline:
         time.sleep(0.02)
     peak = model.peak_gathered_bytes if stage == 3 else 0
