@@ -17,6 +17,17 @@ steps, so no rank waits in a collective for one that ran out):
                                             of W makes batches w, w+W, …; a last, incomplete row
                                             is dropped, so the shares are equal
 
+A loader's own sampler is kept only for what it says about the order: a RandomSampler or a
+DistributedSampler that shuffles (its seed too), a SequentialSampler or one that does not. Any
+other sampler chooses its samples (a subset, weights, draws with replacement), which a
+DistributedSampler over the whole dataset would silently change: setup refuses it and says how to
+keep it (a Subset, or a batch_sampler).
+
+Epochs: the Session owns the count. Every pass over the training loader reads
+`session.epoch` (reshuffling for it) and a complete pass advances it, whether the loop goes
+through `session.progress(loader)` or iterates the loader itself, as a DataLoader with
+shuffle=True reshuffles on every pass.
+
 Resuming: the first kind records the sampler's position; the other two the number of batches
 whose optimizer step completed in the pass, which the next pass skips.
 """
@@ -27,7 +38,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler, get_worker_info
+from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
 from paratrain.data import DistributedSampler
 from paratrain.errors import ConfigError, UsageError
@@ -44,8 +56,11 @@ class ShardedLoader(DataLoader):
     trained = 0  # of those, batches whose backward completed
     stepped = 0  # of those, batches whose optimizer step completed
     pass_generator: torch.Tensor | None = None  # the generator before this pass drew from it
+    epochs: Any = None  # the Session training from it: a pass reads its epoch, a complete one ends it
 
     def __iter__(self):
+        if self.epochs is not None:
+            self.set_epoch(self.epochs.epoch)
         self.passes += 1
         self.delivered = self.trained = self.stepped = 0
         self.pass_generator = self.generator.get_state()  # super().__iter__() draws the workers' seed
@@ -55,6 +70,8 @@ class ShardedLoader(DataLoader):
                 self.dataset.skip = 0  # taken by the pass (and by the workers' copies) by now
             yield batch
         self.pass_generator = None  # the pass ran out: the next draws from the generator as it is
+        if self.epochs is not None:
+            self.epochs.end_epoch()
 
     def generator_state(self) -> torch.Tensor:
         """The generator as a resumed run needs it: as it was when the pass in progress began, so
@@ -129,11 +146,14 @@ class ShardedStream(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        # read once per pass by each copy: a persistent worker's copy, made for the resumed pass,
+        # must not skip again in the passes after it
+        skip, self.skip = self.skip, 0
         # batch b is this replica's rows b·B … (b+1)·B-1. The loader hands out its workers'
         # batches in turn, so worker w makes the batches b of this pass with b ≡ w (mod W): the
         # pass yields them in stream order, also when it resumes after `skip` trained batches
         for row, mine in enumerate(self._rows()):
-            batch = row // self.batch_size - self.skip
+            batch = row // self.batch_size - skip
             if batch >= 0 and batch % workers == worker:
                 yield mine
 
@@ -165,6 +185,23 @@ def _same_everywhere(batch: list[int]) -> None:
                          "every rank (e.g. torch.Generator().manual_seed(seed)), or use batch_size=")
 
 
+def _order(sampler: Any, seed: int) -> tuple[bool, int, bool]:
+    """(shuffle, seed, drop_last) of the DistributedSampler that replaces a loader's `sampler`:
+    what the loader said about the order. A sampler that chooses its own samples is refused."""
+    if type(sampler) is SequentialSampler:
+        return False, seed, False
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return True, seed, False
+    if isinstance(sampler, (DistributedSampler, TorchDistributedSampler)):  # a ported DDP script's
+        return sampler.shuffle, sampler.seed, sampler.drop_last
+    raise ConfigError(
+        f"setup() shards a loader by giving it a DistributedSampler over the whole dataset, which would replace "
+        f"this loader's {type(sampler).__name__} and change which samples are trained on. For a subset, pass "
+        "torch.utils.data.Subset(dataset, indices) with shuffle=True; for weighted or other sampling of your "
+        "own, pass DataLoader(dataset, batch_sampler=BatchSampler(sampler, global_batch, drop_last)) with the "
+        "sampler's generator seeded alike on every rank: each global batch is then cut between the replicas")
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """`batch` with every tensor moved to `device` (a pair of tensors without a tree walk: the
     common case, once per micro-batch)."""
@@ -193,6 +230,10 @@ def shard_loader(loader: DataLoader, *, replicas: int, index: int, seed: int, ra
                               f"{replicas} data-parallel replicas divide; got {batch}")
         stream = ShardedStream(loader.dataset, replicas, index, batch // replicas)
         return ShardedLoader(stream, batch_size=batch // replicas, drop_last=loader.drop_last, **options)
+    if batch is None and loader.batch_sampler is None:
+        raise ConfigError("a loader with batch_size=None and no batch_sampler (automatic batching off: each "
+                          "item is already a batch) cannot be cut between data-parallel replicas: give it the "
+                          "global batch_size and let it collate, or a batch_sampler= of global batches")
     if batch is None:
         return ShardedLoader(loader.dataset, batch_sampler=ShardedBatches(loader.batch_sampler, replicas, index),
                              **options)
@@ -200,9 +241,9 @@ def shard_loader(loader: DataLoader, *, replicas: int, index: int, seed: int, ra
         raise ConfigError(f"the global batch size {batch} must be a multiple of the "
                           f"{replicas} data-parallel replicas; use a batch size of "
                           f"{max(replicas, batch // replicas * replicas)}")
-    sampler = DistributedSampler(loader.dataset, num_replicas=replicas, rank=index,
-                                 shuffle=isinstance(loader.sampler, RandomSampler),
-                                 seed=seed, drop_last=loader.drop_last)
+    shuffle, seed, drop_last = _order(loader.sampler, seed)
+    sampler = DistributedSampler(loader.dataset, num_replicas=replicas, rank=index, shuffle=shuffle,
+                                 seed=seed, drop_last=loader.drop_last or drop_last)
     # its own generator: starting an iterator draws the workers' base seed from it, and from
     # torch's global RNG without one, which would shift dropout masks after a resume
     return ShardedLoader(loader.dataset, batch_size=batch // replicas, sampler=sampler,

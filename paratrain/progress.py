@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 
 def progress(session: "Session", loader: Iterable, desc: str | None = None) -> Iterator[Any]:
     """Iterate `loader` once with a bar on rank 0 (see `Session.progress`)."""
-    training = loader is session.loader
-    if training and isinstance(loader, ShardedLoader):
-        loader.set_epoch(session.epoch)
+    # the training loader reads session.epoch at each pass and ends it (loader.py); another
+    # training loader of the user's own is counted here
+    training = loader is session.loader and not isinstance(loader, ShardedLoader)
     replicas = session.model.replicas if session.model is not None else 1
     try:
         total = len(loader)  # type: ignore[arg-type]
@@ -40,9 +40,7 @@ def progress(session: "Session", loader: Iterable, desc: str | None = None) -> I
                                 samples_s=f"{session.samples_per_second:.0f}", refresh=False)
             bar.update()
         if training:
-            if session._on_device is not None:  # the pass's last step, checked on the device (step.py)
-                session._on_device.raise_pending()
-            session.epoch += 1
+            session.end_epoch()
     finally:  # also when the loop breaks early
         bar.close()
 

@@ -147,6 +147,8 @@ class Session(JobFacts, SessionCheckpoints):
             self.model.watch_reductions()  # unscale or the norm is the check (step.py)
         self._on_device = DeviceCheck() if DeviceCheck.wanted(self.optimizer, self.scaler, self.nan_check) else None
         self.loader = self.shard_loader(loader) if loader is not None else None
+        if self.loader is not None:
+            self.loader.epochs = self  # each pass reads session.epoch, a complete one ends it (loader.py)
         self.step_boundary = position(self) if self.accumulate > 1 else None
         out = [self.model] + [x for x in (self.optimizer, self.loader) if x is not None]
         return out[0] if len(out) == 1 else tuple(out)
@@ -263,6 +265,12 @@ class Session(JobFacts, SessionCheckpoints):
             self.meter.after_step(self, result)  # automatic metric rows (autolog.py)
         after_optimizer_step(self, self.preemption)  # may checkpoint and exit (preemption.py)
         return result.stepped
+
+    def end_epoch(self) -> None:
+        """A complete pass over the training loader ended: the next reads the next epoch."""
+        if self._on_device is not None:  # the pass's last step, checked on the device (step.py)
+            self._on_device.raise_pending()
+        self.epoch += 1
 
     def _check_finite(self, loss: torch.Tensor) -> torch.Tensor:
         if self.nan_check:  # read at the optimizer step, with the gradients: no wait per micro-batch

@@ -35,8 +35,8 @@ class JobFacts:
     def progress(self: "Session", loader: Iterable, desc: str | None = None) -> Iterator[Any]:
         """Iterate `loader` once, with a progress bar on rank 0 showing the loss and global samples
         per second. For the training loader setup() returned, a full pass is one epoch: its
-        sampler is reshuffled for `session.epoch`, which then advances. Other loaders (validation)
-        are iterated as they are."""
+        sampler is reshuffled for `session.epoch`, which then advances (also when the loop
+        iterates that loader itself). Other loaders (validation) are iterated as they are."""
         return progress(self, loader, desc)
 
     def print(self: "Session", *args: Any, **kwargs: Any) -> None:

@@ -5,10 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
+from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler, SubsetRandomSampler,
+                              TensorDataset, WeightedRandomSampler)
+from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
 import paratrain as pt
 import paratrain.loader as loader_module
+from paratrain.errors import ConfigError
 from paratrain.loader import ShardedStream, shard_loader
 from paratrain.testing import RankFailure, max_param_diff, run_on_ranks
 
@@ -112,3 +115,85 @@ def test_a_batch_sampler_is_cut_batch_by_batch_and_must_agree_across_ranks():
     assert sorted(i for batch in mine + theirs for i in batch) == list(range(40))
     with pytest.raises(RankFailure, match="different global batches on different ranks"):
         run_on_ranks(_batch_sampler_shares, 2, False, timeout=60)
+
+
+def _order_of(loader: DataLoader, replicas: int = 1, index: int = 0, epoch: int = 0) -> list[int]:
+    sharded = shard_loader(loader, replicas=replicas, index=index, seed=0, rank=index)
+    sharded.set_epoch(epoch)
+    return [int(i) for batch in sharded for i in batch[-1]]
+
+
+@pytest.mark.parametrize("sampler", [
+    lambda data: SubsetRandomSampler(range(10)),
+    lambda data: WeightedRandomSampler([1.0] * 5 + [0.0] * 35, num_samples=8),
+    lambda data: RandomSampler(data, replacement=True),
+    lambda data: RandomSampler(data, num_samples=12),
+], ids=["subset", "weighted", "replacement", "num_samples"])
+def test_a_sampler_that_chooses_its_samples_is_refused_not_replaced(sampler):
+    data = TensorDataset(torch.arange(40))
+    with pytest.raises(ConfigError, match=r"would replace this loader's \w+Sampler.*Subset.*batch_sampler"):
+        shard_loader(DataLoader(data, batch_size=4, sampler=sampler(data)), replicas=2, index=0, seed=0, rank=0)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_ported_scripts_distributed_sampler_keeps_its_shuffle_and_seed(replicas):
+    """A torch DDP script's loader (torch's DistributedSampler, shuffle=True, its seed): each
+    replica reads what torch's sampler would give it, epoch by epoch (the global batch is the
+    loader's batch_size, cut between the replicas)."""
+    data = TensorDataset(torch.arange(40))
+    for index in range(replicas):
+        for epoch in (0, 1):
+            theirs = TorchDistributedSampler(data, num_replicas=replicas, rank=index, shuffle=True, seed=7)
+            theirs.set_epoch(epoch)
+            given = TorchDistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=7)
+            assert _order_of(DataLoader(data, batch_size=3 * replicas, sampler=given), replicas, index,
+                             epoch) == list(theirs)
+    ordered = TorchDistributedSampler(data, num_replicas=1, rank=0, shuffle=False)
+    assert _order_of(DataLoader(data, batch_size=4, sampler=ordered)) == list(range(40))
+    ours, theirs = (cls(data, num_replicas=1, rank=0, shuffle=True, seed=7)
+                    for cls in (pt.DistributedSampler, TorchDistributedSampler))
+    theirs.set_epoch(1)
+    assert _order_of(DataLoader(data, batch_size=4, sampler=ours), epoch=1) == list(theirs)
+    assert _order_of(DataLoader(data, batch_size=4, shuffle=False)) == list(range(40))
+
+
+def test_a_loader_without_automatic_batching_is_refused_with_what_to_pass():
+    data = TensorDataset(torch.arange(40))
+    with pytest.raises(ConfigError, match="batch_size=None and no batch_sampler.*global batch_size"):
+        shard_loader(DataLoader(data, batch_size=None), replicas=2, index=0, seed=0, rank=0)
+
+
+def test_iterating_the_training_loader_itself_reshuffles_each_epoch_as_progress_does():
+    """A loop that iterates the loader setup() returned (no session.progress) gets a new order on
+    every complete pass, as the DataLoader(shuffle=True) it replaced did, and the same orders as
+    the loop through progress(); a pass broken off does not end the epoch."""
+    data = TensorDataset(torch.randn(16, 6), torch.arange(16))
+    orders = {}
+    for how in ("itself", "progress"):
+        session = pt.Session("single", progress_bar=False)
+        model = _model()
+        _, _, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     DataLoader(data, batch_size=4, shuffle=True))
+        passes = []
+        for _ in range(3):
+            passes.append([int(i) for _, y in (loader if how == "itself" else session.progress(loader))
+                           for i in y])
+        assert session.epoch == 3
+        for _ in loader:
+            break
+        assert session.epoch == 3
+        session.close()
+        orders[how] = passes
+    assert orders["itself"] == orders["progress"]
+    assert all(sorted(p) == list(range(16)) for p in orders["itself"])
+    assert len({tuple(p) for p in orders["itself"]}) == 3
+
+
+def test_a_resumed_stream_with_persistent_workers_skips_only_in_the_resumed_pass():
+    """Persistent loader workers keep their copy of the stream between passes: the batches a
+    resumed pass skips must not be skipped again by the next epoch."""
+    loader = shard_loader(DataLoader(Stream(), batch_size=4, num_workers=2, persistent_workers=True),
+                          replicas=1, index=0, seed=0, rank=0)
+    loader.load_position({"kind": "batches", "batches": 3})
+    firsts = [[int(i[0]) for _, _, i in loader] for _ in range(3)]
+    assert firsts == [list(range(12, N, 4)), list(range(0, N, 4)), list(range(0, N, 4))]
