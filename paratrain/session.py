@@ -195,14 +195,21 @@ class Session(JobFacts, SessionCheckpoints):
         self._in_micro_batch = True
         last = (self.micro_step + 1) % self.accumulate == 0
         if last and self.autocast_dtype is None:  # nothing to enter: the common case costs no generator
-            return contextlib.nullcontext(last)
+            return MicroBatch(self, last)
         return self._micro_batch(last)
 
     @contextlib.contextmanager
     def _micro_batch(self, last: bool) -> Iterator[bool]:
         sync = contextlib.nullcontext() if last else self._require_model().no_sync()
-        with sync, self.autocast():
+        with MicroBatch(self, last), sync, self.autocast():
             yield last
+
+    def _abandon_micro_batch(self, weights: tuple, losses: int) -> None:
+        """A micro-batch raised inside accumulation(): it counts for nothing (its token weight and
+        loss are forgotten), so the loop may catch the error and go on with the next batch."""
+        self._in_micro_batch = False
+        self._weights.total, self._weights.weighted, self._weights.plain = weights
+        del self._losses.items[losses:]
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """`torch.autocast` in the session's precision on its device (nothing for "32").
@@ -304,3 +311,23 @@ class Session(JobFacts, SessionCheckpoints):
         if self.model is None:
             raise UsageError("call session.setup(model, optimizer, loader) before training")
         return self.model
+
+
+class MicroBatch:
+    """The context of one micro-batch (Session.accumulation): on an error inside it, the session
+    forgets the micro-batch, so the next one can start. A class, not a generator: it is entered
+    once per micro-batch."""
+
+    __slots__ = ("session", "last", "weights", "losses")
+
+    def __init__(self, session: Session, last: bool):
+        weights = session._weights
+        self.session, self.last = session, last
+        self.weights, self.losses = (weights.total, weights.weighted, weights.plain), len(session._losses.items)
+
+    def __enter__(self) -> bool:
+        return self.last
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is not None:
+            self.session._abandon_micro_batch(self.weights, self.losses)

@@ -71,9 +71,10 @@ class LossLog:
             if not math.isfinite(value):
                 return UsageError(
                     f"the loss is {value} at optimizer step {micro_step // self.accumulate} (micro-batch "
-                    f"{micro_step}, epoch {epoch}) on rank {self.rank}; the optimizer did not step. Lower the "
-                    "learning rate, clip gradients (Session(max_grad_norm=...)), check this batch's inputs "
-                    "and targets, or pass Session(nan_check=False) to go on regardless")
+                    f"{micro_step}, epoch {epoch}) on rank {self.rank}; the optimizer did not step and the "
+                    "step's gradients were dropped. Lower the learning rate, clip gradients "
+                    "(Session(max_grad_norm=...)), check this batch's inputs and targets, or pass "
+                    "Session(nan_check=False) to go on regardless")
         return None
 
 
@@ -119,6 +120,9 @@ def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, w
                     raise _non_finite(model, "gradient norm", losses)
         if on_device is not None and found is not None:
             flag = on_device.start(found, losses)
+    except UsageError:  # the loop may catch it and go on: the next step must not inherit a NaN
+        optimizer.zero_grad(set_to_none=True)
+        raise
     finally:
         if losses is not None:
             losses.items.clear()
@@ -248,6 +252,6 @@ def _non_finite(model: ParallelModule, what: str, losses: LossLog | None) -> Usa
     peers = (" Gradients are averaged over ranks: another rank's error may name a non-finite loss as the "
              "cause.") if model.replicas > 1 else ""
     return UsageError(f"a {what} is NaN or infinite although the loss was finite{where}; the optimizer "
-                      "did not step and no checkpoint will hold it. Lower the learning rate, clip "
-                      "gradients (Session(max_grad_norm=...)), look for a division by zero or a log of 0 "
-                      f"in the model, or pass Session(nan_check=False) to go on regardless.{peers}")
+                      "did not step, the step's gradients were dropped and no checkpoint will hold it. Lower "
+                      "the learning rate, clip gradients (Session(max_grad_norm=...)), look for a division by "
+                      f"zero or a log of 0 in the model, or pass Session(nan_check=False) to go on regardless.{peers}")

@@ -513,3 +513,52 @@ def _nan_backward_dropped(topo, stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_gradients_dropped_by_zero_grad_leave_nothing_for_the_finite_check(stage):
     assert run_on_ranks(_nan_backward_dropped, 2, stage) == [True, True]
+
+
+# -- a loop that catches an error and goes on --------------------------------------------------------
+
+def _catch_and_go_on(topo, strategy):
+    """Four optimizer steps of two micro-batches. Before step 1's first micro-batch, a batch of
+    the wrong width raises in the forward; in step 2 rank 1's second micro-batch is NaN, so
+    every rank's check stops that step. The loop catches both and goes on: the session must
+    train as if step 2 (its gradients dropped) and the bad batch had never been there."""
+    session = pt.Session(strategy, topology=topo, accumulate=2, progress_bar=False)
+    model = make_model("mlp")
+    model, _ = session.setup(model, _sgd(model))
+    xs, ys = make_batches(4, 8, seed=1)
+    caught = []
+    for step in range(4):
+        if step == 1:
+            try:
+                session.train_step((torch.randn(2, 7), torch.zeros(2, dtype=torch.long)), F.cross_entropy)
+            except RuntimeError as error:
+                caught.append(type(error).__name__)
+        for micro in range(2):
+            index = topo.rank * 2 + micro
+            x, y = xs[step].chunk(4)[index].clone(), ys[step].chunk(4)[index]
+            if step == 2 and micro == 1 and topo.rank == 1:
+                x[0, 0] = float("nan")
+            try:
+                session.train_step((x, y), F.cross_entropy)
+            except pt.UsageError as error:
+                caught.append(str(error)[:40])
+    state = session.full_state_dict()
+    session.close()
+    return caught, state
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_loop_that_catches_a_bad_batch_goes_on_as_if_it_were_not_there(strategy):
+    ranks = run_on_ranks(_catch_and_go_on, 2, strategy)
+    model = make_model("mlp")
+    opt = _sgd(model)
+    xs, ys = make_batches(4, 8, seed=1)
+    for step in (0, 1, 3):
+        F.cross_entropy(model(xs[step]), ys[step]).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = {k: v.detach() for k, v in model.named_parameters()}
+    for rank, (caught, state) in enumerate(ranks):
+        assert caught[0] == "RuntimeError" and len(caught) == 2
+        assert caught[1].startswith("the loss is nan" if rank == 1 else "a gradient is NaN")
+        assert max_param_diff({k.removeprefix("module."): v for k, v in state.items()}, expected) < 1e-6
