@@ -140,6 +140,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     optim_keys = _optimizer_keys(metadata) if optimizer is not None else None
     entries, shapes = state_entries(model, optimizer, optim_keys)
     _check_same_model(meta, shapes, path)
+    _check_same_entries(entries, metadata, path)
     rng = {k.split("/", 2)[2]: torch.empty(metadata.state_dict_metadata[k].size, dtype=torch.uint8)
            for k in metadata.state_dict_metadata if k.startswith(f"rng/{rank()}/")}
     entries.update({f"rng/{rank()}/{k}": v for k, v in rng.items()})
@@ -208,12 +209,22 @@ def _check_same_model(meta: dict, shapes: dict, path: Path) -> None:
                           f"{[(n, saved[n], mine[n]) for n in other[:5]]}; load it into the model that wrote it")
 
 
+def _check_same_entries(entries: dict, metadata, path: Path) -> None:
+    """Every tensor the model and optimizer ask for is in the checkpoint, at its size: a buffer
+    or optimizer state the writer did not have is another model (or optimizer), not damage."""
+    stored = metadata.state_dict_metadata
+    missing = sorted(k for k in entries if k not in stored)
+    other = sorted(k for k in entries if k in stored and tuple(entries[k].size()) != tuple(stored[k].size))
+    if missing or other:
+        found = ([f"it has no {missing[:5]}"] if missing else []) + ([f"other sizes for {other[:5]}"] if other else [])
+        raise ConfigError(f"{path} holds another model or optimizer state: {', and '.join(found)}; load it into "
+                          "the model and optimizer that wrote it, or load the weights alone (paratrain.load_weights)")
+
+
 def _optimizer_keys(metadata) -> dict[str, torch.dtype]:
-    keys = {}
-    for key, item in metadata.state_dict_metadata.items():
-        if key.startswith("optim/"):
-            keys[key.rsplit("/", 1)[1]] = item.properties.dtype
-    return keys
+    """The optimizer state entries stored ("optim/<name>/<key>" → dtype)."""
+    return {key: item.properties.dtype for key, item in metadata.state_dict_metadata.items()
+            if key.startswith("optim/")}
 
 
 def _hyperparameters(optimizer) -> list[dict]:

@@ -20,9 +20,14 @@ def check_optimizer_owns(optimizer: torch.optim.Optimizer, params) -> None:
     trainable ones where a strategy shards them): an optimizer made for another model, or for a
     copy, would step tensors training never touches."""
     owned = {id(p) for p in params}
-    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in owned)
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+    frozen = sum(1 for p in foreign if not p.requires_grad)
+    if frozen:
+        raise ConfigError(f"the optimizer holds {frozen} frozen parameter(s) (requires_grad=False), which this "
+                          "strategy does not shard or step: create the optimizer from the trainable ones, "
+                          "[p for p in model.parameters() if p.requires_grad]")
     if foreign:
-        raise ConfigError(f"the optimizer holds {foreign} tensor(s) that are not parameters of the "
+        raise ConfigError(f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of the "
                           "model passed with it; create the optimizer from model.parameters() of "
                           "that same model")
 

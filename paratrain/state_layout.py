@@ -36,8 +36,10 @@ def layout_of(model: nn.Module) -> CheckpointLayout:
 def state_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                   optim_keys: dict[str, torch.dtype] | None = None) -> tuple[dict, dict]:
     """The checkpoint entries of `model` and `optimizer` (tensors to write, or to load into),
-    and the name → shape map. `optim_keys`, when loading, are the optimizer state keys the
-    checkpoint holds (key → dtype): missing state is created so it can be filled in place."""
+    and the name → shape map. `optim_keys`, when loading, are the optimizer state entries the
+    checkpoint holds ("optim/<name>/<key>" → dtype): state missing here is created for each
+    parameter the checkpoint has it for (not for one that had none: frozen, or never used), so
+    it can be filled in place."""
     layout = layout_of(model)
     entries = {f"model/{n}": p.detach().view(-1) for n, p in layout.params.items()}
     entries.update({f"buffers/{n}": b for n, b in layout.buffers.items()})
@@ -46,7 +48,11 @@ def state_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         for shard, flat in layout.flat.items():
             entries.update(_sharded("model/{}", shard.detach(), flat, layout.shapes))
     if optimizer is not None:
-        for param, state in _optimizer_states(optimizer, optim_keys):
+        def stored_as(param: torch.Tensor) -> list[str] | None:
+            flat = layout.flat.get(param)
+            return [n for n, *_ in flat.slots] if flat else [names[param]] if param in names else None
+
+        for param, state in _optimizer_states(optimizer, optim_keys, stored_as):
             flat = layout.flat.get(param)
             for key, value in state.items():
                 if not torch.is_tensor(value):
@@ -69,14 +75,17 @@ def loaded(model: nn.Module) -> None:
         after()
 
 
-def _optimizer_states(optimizer, optim_keys):
+def _optimizer_states(optimizer, optim_keys, stored_as):
     # every optimizer a strategy returns steps its param_groups with its `state` (ZeRO 1-2's
     # ShardedOptimizer shares both with the optimizer it wraps)
+    kinds = {entry.rsplit("/", 1)[1]: dtype for entry, dtype in (optim_keys or {}).items()}
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
-            for key, dtype in (optim_keys or {}).items():
-                if key not in state:  # a fresh optimizer: make the state the checkpoint fills
+            names = stored_as(p)
+            for key, dtype in kinds.items():
+                if key not in state and (names is None or any(f"optim/{n}/{key}" in optim_keys for n in names)):
+                    # a fresh optimizer: make the state the checkpoint fills
                     scalar = key in _SCALAR_KEYS
                     state[key] = torch.zeros((), dtype=dtype) if scalar else torch.zeros_like(p, dtype=dtype)
             yield p, state

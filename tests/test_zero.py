@@ -197,11 +197,19 @@ def _bad_optimizers(topo, case):
         pt.shard(model, torch.optim.LBFGS(model.parameters()), stage=3)
     elif case == "stage":
         pt.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=4)
+    elif case == "frozen":
+        model.net[0].weight.requires_grad_(False)
+        pt.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=2)
+    elif case == "late-group":  # a learnable temperature added after sharding would never step
+        _, opt = pt.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=1)
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(()))]})
 
 
 @pytest.mark.parametrize("case,message", [
     ("foreign", "not parameters of the model"), ("partial", "does not hold 4 trainable"),
-    ("lbfgs", "LBFGS looks across whole tensors"), ("stage", "stages 1, 2 and 3; got stage=4")])
+    ("lbfgs", "LBFGS looks across whole tensors"), ("stage", "stages 1, 2 and 3; got stage=4"),
+    ("frozen", r"1 frozen parameter\(s\) \(requires_grad=False\).*if p.requires_grad"),
+    ("late-group", "cannot take a param group after pt.shard")])
 def test_optimizer_misuse_is_a_clear_error(case, message):
     with pytest.raises(pt.testing.RankFailure, match=message):
         run_on_ranks(_bad_optimizers, 2, case, timeout=60)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import all_gather_single, broadcast_coalesced
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, UsageError
 from paratrain.optim import clip_grad_norm_over, rebuild_optimizer, skips_on_device
 from paratrain.precision import cast_floating
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, names_by_first, user_key
@@ -224,6 +224,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self.state = self.inner.state
         self.skips_on_device = skips_on_device(self.inner)  # it hands found_inf on (step.py, DeviceCheck)
+        self.built = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "built", False):  # torch's __init__ adds the groups it was given
+            raise UsageError("a ZeRO stage 1/2 optimizer cannot take a param group after pt.shard: its "
+                             "parameters are not in the sharded gradient buckets, so it would never step "
+                             "them. Add every parameter group to the optimizer before setup()/pt.shard")
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
