@@ -55,6 +55,7 @@ class ShardedLoader(DataLoader):
     delivered = 0  # batches handed out in this pass
     trained = 0  # of those, batches whose backward completed
     stepped = 0  # of those, batches whose optimizer step completed
+    start = 0  # batches of this pass a resumed run skipped (a batch sampler's or a stream's)
     pass_generator: torch.Tensor | None = None  # the generator before this pass drew from it
     epochs: Any = None  # the Session training from it: a pass reads its epoch, a complete one ends it
 
@@ -63,6 +64,7 @@ class ShardedLoader(DataLoader):
             self.set_epoch(self.epochs.epoch)
         self.passes += 1
         self.delivered = self.trained = self.stepped = 0
+        self.start = getattr(self._share(), "skip", 0)  # the pass's own iteration then clears it
         self.pass_generator = self.generator.get_state()  # super().__iter__() draws the workers' seed
         for batch in super().__iter__():
             self.delivered += 1
@@ -89,14 +91,15 @@ class ShardedLoader(DataLoader):
         """Where this pass stands, counting the batches whose optimizer step completed."""
         if isinstance(self.sampler, DistributedSampler):
             return self.sampler.state_dict(per_replica_samples=self.stepped * self.batch_size)
-        return {"kind": "batches", "batches": self.stepped}
+        return {"kind": "batches", "batches": self.start + self.stepped}
 
     def load_position(self, state: dict) -> None:
         """Make the next pass start where `position()` said this one stood."""
         if isinstance(self.sampler, DistributedSampler):
             self.sampler.load_state_dict(state)
         elif state.get("kind") == "batches":
-            self._share().skip = int(state["batches"])
+            self._share().skip = self.start = int(state["batches"])
+            self.delivered = self.trained = self.stepped = 0
         else:
             raise ConfigError("the checkpoint's data position is a sampler's, and this loader reads a batch "
                               "sampler or a stream: resume with the loader the saving run used")

@@ -221,4 +221,5 @@ def restore_session(session: "Session", loaded: dict, path: Any) -> None:
         set_rng_state(loaded["rng"])
         if "loader" in loaded["rng"] and session.loader is not None:
             session.loader.generator.set_state(loaded["rng"]["loader"])
-    session.step_boundary = None  # the loaded state is at an optimizer step
+    # the loaded state is at an optimizer step: a save before the next one records it
+    session.step_boundary = position(session) if session.accumulate > 1 else None

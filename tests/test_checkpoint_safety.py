@@ -279,3 +279,91 @@ def test_resume_required_says_where_it_looked_and_a_checkpoint_directory_loads_i
     assert silent is False
     assert direct == (True, 1)  # step-1 itself, not the newest under it
     assert "holds no complete checkpoint" in elsewhere and "best/ is a checkpoint not named step-*" in elsewhere
+
+
+# -- another model is not a damaged checkpoint -------------------------------------------------------
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, buffer_size=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+        if buffer_size is not None:
+            self.register_buffer("scale", torch.ones(buffer_size))
+
+    def forward(self, x):
+        return self.net(x) * (self.scale.sum() if hasattr(self, "scale") else 1)
+
+
+def _frozen_session(model):
+    """Adam over every parameter, the first layer frozen (fine-tuning a model whose optimizer
+    was made from model.parameters()): the frozen weight never has optimizer state."""
+    model.net[0].weight.requires_grad_(False)
+    session = pt.Session("single", progress_bar=False)
+    model, opt = session.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    return session, model, opt
+
+
+def test_a_frozen_parameter_without_optimizer_state_resumes_exactly(tmp_path):
+    xs, ys = make_batches(4, 8)
+    session, model, opt = _frozen_session(_Scaled())
+    for step in range(4):
+        session.train_step((xs[step], ys[step]), F.cross_entropy)
+        if step == 1:
+            session.checkpoint(tmp_path)
+    whole = {k: v.clone() for k, v in model.state_dict().items()}
+    session.close()
+    session, model, opt = _frozen_session(_Scaled())
+    assert session.resume(tmp_path) and session.micro_step == 2
+    assert not opt.state[model.module.net[0].weight]
+    for step in range(2, 4):
+        session.train_step((xs[step], ys[step]), F.cross_entropy)
+    assert_same_params(model.state_dict(), whole, atol=0)
+    session.close()
+
+
+@pytest.mark.parametrize("change,message", [(None, r"it has no \['buffers/scale'\]"),
+                                             (4, r"other sizes for \['buffers/scale'\]")])
+def test_a_changed_buffer_is_another_model_not_a_damaged_checkpoint(tmp_path, change, message):
+    session = pt.Session("single", progress_bar=False)
+    model = _Scaled(buffer_size=None if change is None else 3)
+    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    session.checkpoint(tmp_path)
+    session.close()
+    session = pt.Session("single", progress_bar=False)
+    model = _Scaled(buffer_size=3 if change is None else change)
+    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(pt.ConfigError, match="holds another model or optimizer state: " + message):
+        session.resume(tmp_path)
+    session.close()
+    assert _steps_in(tmp_path) == ["step-00000000"]  # nothing moved away or pruned
+
+
+def _accumulating_run(root, load=None, save_at=(), until=8):
+    """accumulate=2 over a shuffled loader; saves `root/at-N` after micro-batch N."""
+    session = pt.Session("single", progress_bar=False, accumulate=2)
+    model = make_model("mlp")
+    xs, ys = make_batches(1, 96)
+    _, _, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 DataLoader(TensorDataset(xs[0], ys[0]), batch_size=4, shuffle=True))
+    if load is not None:
+        session.load(load)
+    while session.micro_step < until:
+        for batch in session.progress(loader):
+            session.train_step(batch, F.cross_entropy)
+            if session.micro_step in save_at:
+                session.save(Path(root) / f"at-{session.micro_step}")
+            if session.micro_step >= until:
+                break
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    session.close()
+    return state
+
+
+def test_a_resumed_run_saving_mid_window_records_the_window_start(tmp_path):
+    """A save in the middle of an accumulation window records the loop as at the window's start;
+    in a resumed run's first window too, so resuming from it ends as the run that never stopped."""
+    whole = _accumulating_run(tmp_path / "a", save_at=(4,))
+    _accumulating_run(tmp_path / "b", load=tmp_path / "a" / "at-4", save_at=(5,), until=5)
+    assert json.loads((tmp_path / "b" / "at-5" / "paratrain.json").read_text())["state"]["micro_step"] == 4
+    assert_same_params(_accumulating_run(tmp_path / "c", load=tmp_path / "b" / "at-5"), whole, atol=0)

@@ -197,3 +197,21 @@ def test_a_resumed_stream_with_persistent_workers_skips_only_in_the_resumed_pass
     loader.load_position({"kind": "batches", "batches": 3})
     firsts = [[int(i[0]) for _, _, i in loader] for _ in range(3)]
     assert firsts == [list(range(12, N, 4)), list(range(0, N, 4)), list(range(0, N, 4))]
+
+
+@pytest.mark.parametrize("kind", ["stream", "batch_sampler"])
+def test_a_pass_resumed_twice_counts_the_batches_skipped_the_first_time(kind):
+    """A run resumed at batch 3 of a pass trains two more and checkpoints again: that
+    checkpoint's position is batch 5, not 2 (which would train batches 2-4 twice)."""
+    data = TensorDataset(torch.arange(40))
+    given = (DataLoader(Stream(), batch_size=4) if kind == "stream" else
+             DataLoader(data, batch_sampler=BatchSampler(range(40), 4, drop_last=False)))
+    loader = shard_loader(given, replicas=1, index=0, seed=0, rank=0)
+    loader.load_position({"kind": "batches", "batches": 3})
+    assert loader.position() == {"kind": "batches", "batches": 3}  # saved again before a step
+    batches = iter(loader)
+    for _ in range(2):
+        next(batches)
+        loader.count_trained(optimizer_stepped=True)
+    assert loader.position() == {"kind": "batches", "batches": 5}
+    assert int(next(batches)[-1][0]) == 20
