@@ -1,6 +1,7 @@
 """Our DDP on real ranks against single-process training and against torch's DDP."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -313,3 +314,55 @@ def test_the_rebuild_frees_the_first_layout_before_building_when_no_gradient_is_
         assert freed and all(freed)  # never both layouts at once
     else:
         assert carried  # the accumulated gradients moved into the new buckets
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+
+
+class _Returns(torch.nn.Module):
+    """The unused model, its logits returned in a dataclass (`dataclass`), or with an auxiliary
+    loss kept on the module that the training loop adds (`aux`): the output does not reach it."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.inner, self.aux_head = how, make_model("unused"), torch.nn.Linear(12, 1)
+
+    def forward(self, x):
+        if self.how == "aux":
+            self.aux = self.aux_head(x).pow(2).mean()
+            return self.inner(x)
+        return _Output(self.inner(x))
+
+
+def _find_unused_output(topo, how):
+    torch.manual_seed(0)
+    ddp = pt.DistributedDataParallel(_Returns(how), find_unused_parameters=True)
+    opt = make_optimizer("sgd", ddp.parameters())
+    xs, ys = make_batches(STEPS, 12)
+    for x, y in zip(xs, ys):
+        out = ddp(x.chunk(topo.world_size)[topo.rank])
+        loss = F.cross_entropy(out.logits if how == "dataclass" else out, y.chunk(topo.world_size)[topo.rank])
+        (loss + ddp.module.aux if how == "aux" else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    return ddp.module.state_dict()
+
+
+def test_find_unused_follows_a_dataclass_output_and_names_a_parameter_reached_another_way():
+    """A dataclass's tensors count as the output (torch's DDP looks inside them too); a parameter
+    the loss reaches other than through the output got a zero gradient sent for it before: the
+    rank stops, naming it, where it trained on with the ranks' models drifting apart."""
+    torch.manual_seed(0)
+    model = _Returns("dataclass")
+    opt = make_optimizer("sgd", model.parameters())
+    for x, y in zip(*make_batches(STEPS, 12)):
+        F.cross_entropy(model(x).logits, y).backward()
+        opt.step()
+        opt.zero_grad()
+    for state in run_on_ranks(_find_unused_output, 3, "dataclass"):
+        assert_same_params(state, model.state_dict(), atol=1e-6)
+    with pytest.raises(RankFailure, match=r"aux_head\.(weight|bias) got a gradient in a backward for which "
+                                          r"find_unused_parameters=True had counted it as unused"):
+        run_on_ranks(_find_unused_output, 2, "aux", timeout=60, collective_timeout=10)

@@ -23,7 +23,7 @@ state-dict keys match torch's and porting a script means changing one import.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable
 
 import torch
@@ -262,10 +262,26 @@ def _buffer_sync_flag(broadcast_buffers, forward_sync_buffers) -> bool:
     return True if broadcast_buffers is None else bool(broadcast_buffers)
 
 
+def _tensors_in(output: Any) -> list[torch.Tensor]:
+    """Every tensor in `output`: in its containers (pytree) and in dataclasses (as torch's DDP)."""
+    found, stack = [], [output]
+    while stack:
+        item = stack.pop()
+        if torch.is_tensor(item):
+            found.append(item)
+        elif is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, field.name) for field in fields(item))
+        else:
+            leaves = tree_flatten(item)[0]
+            if leaves != [item]:
+                stack.extend(leaves)
+    return found
+
+
 def _params_reached_from(output: Any) -> set[torch.Tensor]:
     """Leaf tensors whose gradient the autograd graph of `output` will compute."""
     leaves, seen = set(), set()
-    stack = [t.grad_fn for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.grad_fn is not None]
+    stack = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:

@@ -74,6 +74,7 @@ class GradSync:
         self._unused: list[nn.Parameter] | None = []
         self._ranks_training: Callable[[], int] | None = None
         self._used: torch.Tensor | None = None  # the last all-reduced used-bitmap (find_unused)
+        self._marked: set[nn.Parameter] = set()  # parameters counted in the backward in progress
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     def prepare(self, sync: bool, unused: list[nn.Parameter] | None = (),
@@ -107,11 +108,27 @@ class GradSync:
             return
         if not self._in_backward:
             self._start_backward()
+        if p in self._marked:
+            raise UsageError(self._arrived_twice(p))
+        self._marked.add(p)
         self.buckets.adopt_grad(p, average=True)
         self.buckets.mark_ready(p)
 
+    def _arrived_twice(self, p: nn.Parameter) -> str:
+        name = self.names.get(p, "a parameter")
+        if any(p is q for q in self._unused or ()):
+            return (f"{name} got a gradient in a backward for which find_unused_parameters=True had counted "
+                    "it as unused and already sent its zero: the loss reaches it other than through the "
+                    "forward's output (an auxiliary loss kept on the module, a block under a reentrant "
+                    "torch.utils.checkpoint). Return every tensor the loss uses from forward, use "
+                    "torch.utils.checkpoint(..., use_reentrant=False), or set find_unused_parameters=False")
+        return (f"{name} got its gradient twice in one backward (a reentrant torch.utils.checkpoint, or "
+                "autograd run twice over it), after its bucket may already have been reduced: use "
+                "torch.utils.checkpoint(..., use_reentrant=False), or one backward per forward")
+
     def _start_backward(self) -> None:
         self._in_backward = True
+        self._marked = set(self._unused or ())
         self.buckets.reset()
         self.buckets.scale = self._scale(self._ranks_training() if self._ranks_training else None)
         if self.finish_in_backward:
