@@ -34,6 +34,7 @@ whose optimizer step completed in the pass, which the next pass skips.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import torch
@@ -188,6 +189,21 @@ def _same_everywhere(batch: list[int]) -> None:
                          "every rank (e.g. torch.Generator().manual_seed(seed)), or use batch_size=")
 
 
+class IgnoringSignals:
+    """A loader worker's init: ignore `signals`, then the user's own init. A scheduler's SIGTERM
+    reaches every process of the job (`paratrain run`'s agent signals each rank's process group):
+    a worker killed by it would fail the rank before the step at which it checkpoints."""
+
+    def __init__(self, init: Any, signals: tuple[int, ...]):
+        self.init, self.signals = init, signals
+
+    def __call__(self, worker_id: int) -> None:
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
+        if self.init is not None:
+            self.init(worker_id)
+
+
 def _order(sampler: Any, seed: int) -> tuple[bool, int, bool]:
     """(shuffle, seed, drop_last) of the DistributedSampler that replaces a loader's `sampler`:
     what the loader said about the order. A sampler that chooses its own samples is refused."""
@@ -216,15 +232,17 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 def shard_loader(loader: DataLoader, *, replicas: int, index: int, seed: int, rank: int,
-                 pin_memory: bool = False) -> DataLoader:
+                 pin_memory: bool = False, ignored_signals: tuple[int, ...] = ()) -> DataLoader:
     """`loader` rebuilt to read replica `index`'s share (module docstring): its `batch_size` is the
     global batch, each of `replicas` gets batch_size / replicas per step, from a
     `DistributedSampler` that shuffles when the loader did; or a batch sampler's batches, or a
-    stream, cut the same way."""
+    stream, cut the same way. `ignored_signals`: what its worker processes ignore (the rank acts
+    on them: preemption.py)."""
     generator = torch.Generator().manual_seed(seed + rank)
+    init = IgnoringSignals(loader.worker_init_fn, ignored_signals) if ignored_signals else loader.worker_init_fn
     options = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, generator=generator,
                    pin_memory=loader.pin_memory or pin_memory, timeout=loader.timeout,
-                   worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers,
+                   worker_init_fn=init, persistent_workers=loader.persistent_workers,
                    multiprocessing_context=loader.multiprocessing_context, prefetch_factor=loader.prefetch_factor)
     batch = loader.batch_size
     if isinstance(loader.dataset, IterableDataset):

@@ -51,8 +51,9 @@ class Preemption:
         return int(flag.item())
 
     def checkpoint_and_exit(self, session: "Session", signum: int) -> None:
-        """Write the checkpoint every rank agreed on, and leave with status 0."""
-        path = session.checkpoint(self.root)
+        """Write the checkpoint every rank agreed on, and leave with status 0. It prunes nothing:
+        the run's own checkpoint(root, keep=...) calls decide what is kept."""
+        path = session.checkpoint(self.root, keep=0)
         session.print(f"preempted by {signal.Signals(signum).name}: saved {path}; resume with "
                       f"session.resume({self.root!r})")
         session.close()

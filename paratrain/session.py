@@ -36,7 +36,7 @@ from paratrain.errors import ConfigError, UsageError
 from paratrain.autolog import Logging, open_metrics
 from paratrain.optim import Given, describe, retire_replaced
 from paratrain.parallel.base import ParallelModule, Strategy, backward_no_autocast, check_loss, scaled, uncompiled
-from paratrain.preemption import Preemption, after_optimizer_step
+from paratrain.preemption import SIGNALS, Preemption, after_optimizer_step
 from paratrain.precision import GradScaler, autocast_dtype, scaler_for
 from paratrain.resume import SessionCheckpoints, note_micro_step, position
 from paratrain.session_facts import JobFacts
@@ -157,7 +157,8 @@ class Session(JobFacts, SessionCheckpoints):
         """The same loader, reading this replica's share: batch_size/replicas per step."""
         model = self._require_model()
         sharded = shard_loader(loader, replicas=model.replicas, index=model.replica_index, seed=self.seed,
-                               rank=self.rank, pin_memory=self.device.type == "cuda")
+                               rank=self.rank, pin_memory=self.device.type == "cuda",
+                               ignored_signals=SIGNALS if self.preemption is not None else ())
         model.check_loader(sharded)
         return sharded
 

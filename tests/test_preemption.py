@@ -1,6 +1,7 @@
 """Checkpoint on preemption, as a cluster does it: SIGTERM to `paratrain run` in the middle of an
-epoch; the ranks finish the optimizer step, checkpoint and exit 0; the requeued job resumes and
-ends bitwise equal to a run that was never interrupted."""
+epoch (the agent signals every process of each rank, its loader workers too); the ranks finish the
+optimizer step, checkpoint and exit 0; the requeued job resumes and ends bitwise equal to a run
+that was never interrupted."""
 
 import os
 import re
@@ -10,7 +11,11 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
+import torch.nn.functional as F
+
+import paratrain as pt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +33,7 @@ SCRIPT = textwrap.dedent('''
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(96, 8, generator=g), torch.randint(0, 3, (96,), generator=g))
     model, opt, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                       DataLoader(data, batch_size=8, shuffle=True))
+                                       DataLoader(data, batch_size=8, shuffle=True, num_workers=2))
     if session.resume(f"{out}/ckpt"):
         session.print(f"resumed at step {session.micro_step}")
     for epoch in range(session.epoch, 3):
@@ -80,3 +85,20 @@ def test_sigterm_checkpoints_at_a_step_and_the_requeued_job_ends_as_if_never_sto
     assert f"resumed at step {stopped_at}" in again.stdout.read()
     resumed, expected = torch.load(out / "final.pt"), torch.load(tmp_path / "whole" / "final.pt")
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)
+
+
+def test_the_preemption_checkpoint_prunes_none_of_the_runs_own(tmp_path):
+    """A run keeping ten checkpoints in the root it is preempted into keeps them all: the
+    preemption's save does not prune to the default three."""
+    session = pt.Session("single", checkpoint_on_preempt=str(tmp_path), progress_bar=False)
+    model = torch.nn.Linear(4, 2)
+    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    for _ in range(5):
+        session.train_step(batch, F.cross_entropy)
+        session.checkpoint(tmp_path, keep=10)
+    session.preemption.signalled = signal.SIGTERM
+    with pytest.raises(SystemExit) as stopped:
+        session.train_step(batch, F.cross_entropy)
+    assert stopped.value.code == 0
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{n:08d}" for n in range(1, 7)]
