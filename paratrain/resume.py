@@ -56,10 +56,14 @@ class SessionCheckpoints:
     def register(self: "Session", **objects: Any) -> None:
         """Save these objects' `state_dict()` with every checkpoint and load it back, under their
         names: `session.register(scheduler=scheduler)`. Anything with state_dict() and
-        load_state_dict() whose state is JSON: LR schedulers, counters of your own."""
+        load_state_dict() whose state is JSON: LR schedulers, counters of your own. An object
+        registered after a load or resume gets the state the checkpoint holds under its name."""
         for name, obj in objects.items():
             check_registrable(name, obj)
         self.registered.update(objects)
+        for name, obj in objects.items():
+            if name in self.unclaimed:
+                obj.load_state_dict(self.unclaimed.pop(name))
 
     def save(self: "Session", path: str | os.PathLike) -> Path:
         """Save model, optimizer, epoch and micro-step, the sampler's position, registered objects
@@ -186,7 +190,7 @@ def session_state(session: "Session") -> tuple[dict, dict]:
     optimizer step (see [Note: a checkpoint is taken at an optimizer step])."""
     mid_window = session.micro_step % session.accumulate != 0
     where = session.step_boundary if mid_window and session.step_boundary is not None else position(session)
-    objects = {}
+    objects = dict(session.unclaimed)  # carried on until an object claims them (register)
     for name, obj in session.registered.items():
         objects[name] = obj.state_dict()
         try:
@@ -217,6 +221,8 @@ def restore_session(session: "Session", loaded: dict, path: Any) -> None:
         session.loader.load_position(state["sampler"])
     for name, obj in session.registered.items():
         obj.load_state_dict(state["objects"][name])
+    # what no object has claimed yet: register() hands it over (a scheduler made after resume)
+    session.unclaimed = {k: v for k, v in state.get("objects", {}).items() if k not in session.registered}
     if loaded["rng"]:
         set_rng_state(loaded["rng"])
         if "loader" in loaded["rng"] and session.loader is not None:

@@ -111,6 +111,7 @@ class Session(JobFacts, SessionCheckpoints):
         self.last_loss: torch.Tensor | None = None
         self.samples_per_second = 0.0  # global throughput of the last progress() loop
         self.registered: dict[str, Any] = {}  # name → object whose state checkpoints carry
+        self.unclaimed: dict[str, Any] = {}  # loaded states of objects not registered yet (resume.py)
         self._in_micro_batch = False  # an accumulation() block was entered, step() not yet called
         self.given = Given(0, 0, None)  # the model and optimizer given to setup(), as given
         self.step_boundary: dict | None = None  # the loop at the last optimizer step (resume.py)

@@ -121,13 +121,17 @@ def test_a_pipeline_stage_keeps_the_users_param_groups_even_empty_ones(tmp_path)
     assert run_on_ranks(_load_groups, 1, str(tmp_path / "c"))[0] == [0.01, 0.02]
 
 
-def _with_scheduler(topo, steps, path, load):
-    """DDP with a StepLR that halves the learning rate every 2 steps, registered with the session."""
+def _with_scheduler(topo, steps, path, load, register_after_load=False):
+    """DDP with a StepLR that halves the learning rate every 2 steps, registered with the session
+    (after the load: the checkpoint's state waits for it)."""
     session = _session(topo, "ddp")
     scheduler = torch.optim.lr_scheduler.StepLR(session.optimizer, step_size=2, gamma=0.5)
-    session.register(scheduler=scheduler)
+    if not register_after_load:
+        session.register(scheduler=scheduler)
     if load:
         session.load(path)
+    if register_after_load:
+        session.register(scheduler=scheduler)
     for _ in range(steps):
         _train(session, 1)
         scheduler.step()
@@ -137,10 +141,12 @@ def _with_scheduler(topo, steps, path, load):
 
 
 def test_a_registered_scheduler_resumes_where_it_was(tmp_path):
-    """Without its state the new StepLR would count from 0 and halve at other steps."""
+    """Without its state the new StepLR would count from 0 and halve at other steps; also when it
+    is registered only after the load."""
     path = str(tmp_path / "c")
     run_on_ranks(_with_scheduler, 2, 3, path, False)
     resumed = run_on_ranks(_with_scheduler, 2, 2, path, True)
+    resumed += run_on_ranks(_with_scheduler, 2, 2, path, True, True)
     expected = run_on_ranks(_with_scheduler, 2, 5, str(tmp_path / "straight"), False)[0]
     for state, lrs in resumed:
         assert_same_params(state, expected[0], atol=0)  # the same world and strategy: bitwise
