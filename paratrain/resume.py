@@ -92,6 +92,7 @@ class SessionCheckpoints:
             self._on_device.raise_pending()
         if optimizer is not None:
             check_same_optimizer(self, Path(path), keep_current=hyperparameters == "current")
+            check_whole_window(self, Path(path))
         loaded = checkpoint.load(path, self._require_model(), optimizer,
                                  hyperparameters=hyperparameters == "checkpoint")
         if not weights_only:
@@ -169,6 +170,21 @@ def check_same_optimizer(session: "Session", path: Path, keep_current: bool) -> 
     if changed and not keep_current and session.is_main:
         warnings.warn(f"resuming from {path} replaces this optimizer's {', '.join(changed)} with the "
                       "checkpoint's; pass hyperparameters='current' to keep yours", stacklevel=4)
+
+
+def check_whole_window(session: "Session", path: Path) -> None:
+    """Refuse to resume at a micro-batch that this session's `accumulate` does not divide: its
+    first optimizer step would take fewer micro-batches, each scaled by 1/accumulate."""
+    marker = checkpoint_files.read_marker(path) if (path / checkpoint_files.MARKER).is_file() else {}
+    micro_step = marker.get("state", {}).get("micro_step", 0)
+    if micro_step % session.accumulate:
+        divisors = [k for k in range(1, micro_step + 1) if micro_step % k == 0][:8]
+        raise ConfigError(f"checkpoint {path} was saved after micro-batch {micro_step} (accumulate="
+                          f"{marker['state'].get('accumulate')}); with accumulate={session.accumulate} the first "
+                          f"optimizer step would take {session.accumulate - micro_step % session.accumulate} "
+                          f"micro-batch(es), not {session.accumulate}, each scaled by 1/{session.accumulate}: "
+                          f"resume with an accumulate that divides {micro_step} (such as "
+                          f"{', '.join(map(str, divisors))}), or load the weights alone (weights_only=True)")
 
 
 def _scheduled(key: str, mine: dict, theirs: dict) -> bool:

@@ -367,3 +367,24 @@ def test_a_resumed_run_saving_mid_window_records_the_window_start(tmp_path):
     _accumulating_run(tmp_path / "b", load=tmp_path / "a" / "at-4", save_at=(5,), until=5)
     assert json.loads((tmp_path / "b" / "at-5" / "paratrain.json").read_text())["state"]["micro_step"] == 4
     assert_same_params(_accumulating_run(tmp_path / "c", load=tmp_path / "b" / "at-5"), whole, atol=0)
+
+
+def test_resuming_with_an_accumulate_that_does_not_divide_the_saved_micro_batch_is_refused(tmp_path):
+    """Saved after micro-batch 3 at accumulate=1: resumed at accumulate=2 the first optimizer step
+    would take one micro-batch scaled by 1/2 (a half step, silently); 3 divides it and resumes."""
+    sessions = []
+    for accumulate in (1, 2, 3):
+        session = pt.Session("single", progress_bar=False, accumulate=accumulate)
+        model = make_model("mlp")
+        session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        sessions.append(session)
+    xs, ys = make_batches(3, 8)
+    for x, y in zip(xs, ys):
+        sessions[0].train_step((x, y), F.cross_entropy)
+    sessions[0].checkpoint(tmp_path)
+    with pytest.raises(pt.ConfigError, match=r"after micro-batch 3 \(accumulate=1\); with accumulate=2 the first "
+                                             r"optimizer step would take 1 micro-batch\(es\), not 2"):
+        sessions[1].resume(tmp_path)
+    assert sessions[1].micro_step == 0 and sessions[2].resume(tmp_path) and sessions[2].micro_step == 3
+    for session in sessions:
+        session.close()
