@@ -66,7 +66,7 @@ _HELD: dict[Path, _Held] = {}  # root → lock; a held lock is a process-wide re
 def lock_root(root: str | os.PathLike, owner: Any) -> None:
     """Lock `root` for this job, or check that the lock taken earlier is still this job's. A
     collective: rank 0 decides, and every rank raises the same ConfigError when it cannot."""
-    key = Path(root).absolute()
+    key = Path(root).resolve()
     path = agree(lambda: _acquire(key))
     if key not in _HELD:  # only rank 0 holds the file; the others only count their owners
         _HELD[key] = _Held(path, _read(path)) if rank() == 0 else _Held(None, None)
@@ -84,9 +84,9 @@ def unlock_roots(owner: Any) -> None:
 
 def check_not_locked(root: Path) -> None:
     """Refuse to write under `root` when another live job holds its lock (rank 0)."""
-    path = root.absolute() / LOCK
+    path = root.resolve() / LOCK
     other = _read(path) if path.is_file() else None
-    if other is not None and root.absolute() not in _HELD and _stale(path, other) is None:
+    if other is not None and root.resolve() not in _HELD and _stale(path, other) is None:
         raise ConfigError(_conflict(root, other))
 
 
@@ -135,6 +135,9 @@ def _stale(path: Path, other: dict) -> str | None:
         return "it was left by an earlier attempt of this job"
     if other.get("host") == me["host"] and not _alive(other.get("pid", -1)):
         return f"its process {other.get('pid')} on this host is no longer running"
+    if other.get("host") == me["host"] and other.get("pid") == me["pid"] and other.get("started") != me["started"]:
+        # a restart in the same container gets the same small pid again: this process holds no lock
+        return f"it was left by an earlier process {me['pid']} on this host, started {other.get('started')}"
     try:
         age, limit = time.time() - path.stat().st_mtime, _stale_after()
     except FileNotFoundError:

@@ -255,6 +255,19 @@ def test_a_lock_from_another_host_is_stale_only_once_its_heartbeat_stops(tmp_pat
     assert not lock.exists()
 
 
+def test_a_lock_left_under_this_very_pid_by_an_earlier_process_is_taken_over(tmp_path):
+    """A job restarted in the same container gets its small pid again: the earlier process's lock
+    (another start time) is stale, not another job. And a root reached through a symlink is the
+    same root: the job holding it is not refused by itself."""
+    lock, owner = _write_lock(tmp_path, pid=os.getpid(), job=""), object()
+    with pytest.warns(checkpoint.CheckpointWarning, match=f"left by an earlier process {os.getpid()} on this host"):
+        checkpoint.lock_root(tmp_path, owner=owner)
+    (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)
+    checkpoint.lock_root(tmp_path.parent / f"{tmp_path.name}-link", owner=owner)
+    checkpoint.unlock_roots(owner=owner)
+    assert not lock.exists()
+
+
 # -- 6. resume says when it finds nothing, and takes a checkpoint directory --------------------
 
 
