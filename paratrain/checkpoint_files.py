@@ -77,9 +77,14 @@ def write_marker(path: Path, marker: dict) -> None:
 
 
 def complete(root: str | os.PathLike) -> list[Path]:
-    """The complete checkpoints `root/step-*`, oldest first by sequence (see [Note: the marker])."""
-    found = [p for p in Path(root).glob("step-*")
-             if not p.name.endswith((".partial", ".old")) and (p / MARKER).is_file()]
+    """The complete checkpoints `root/step-*`, oldest first by sequence (see [Note: the marker]).
+    A save over an existing name renames `X` to `X.old` and then `X.partial` (marked complete) to
+    `X`: a crash between the two leaves no `X`, and both count, as what they are."""
+    found = []
+    for path in Path(root).glob("step-*"):
+        name = path.name.removesuffix(".partial").removesuffix(".old")
+        if (path / MARKER).is_file() and (name == path.name or not (path.parent / name).exists()):
+            found.append(path)
     return sorted(found, key=_order)
 
 

@@ -268,6 +268,43 @@ def test_a_lock_left_under_this_very_pid_by_an_earlier_process_is_taken_over(tmp
     assert not lock.exists()
 
 
+@pytest.mark.parametrize("killed_before", ["first rename", "second rename"])
+def test_a_save_over_an_existing_name_killed_between_its_renames_leaves_its_newest_state(
+        tmp_path, monkeypatch, killed_before):
+    """Saving over `step-2` renames it to `step-2.old`, then `step-2.partial` to `step-2`: killed
+    before the first rename, the root still holds the earlier `step-2`, as after any crashed save;
+    killed between the two (no `step-2` left), the new save, complete, is the newest."""
+    session = pt.Session("single", progress_bar=False)
+    model = make_model("mlp")
+    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    xs, ys = make_batches(3, 8)
+    for x, y in zip(xs[:2], ys[:2]):
+        session.train_step((x, y), F.cross_entropy)
+        session.checkpoint(tmp_path)
+    earlier = {k: v.clone() for k, v in model.state_dict().items()}
+    session.train_step((xs[2], ys[2]), F.cross_entropy)
+    session.micro_step = 2  # a save to the same name again (as after a resume with another accumulate)
+    newest = {k: v.clone() for k, v in model.state_dict().items()}
+    replace = os.replace
+
+    def killed(src, dst):
+        if str(src).endswith(".partial" if killed_before == "second rename" else "step-00000002"):
+            raise KeyboardInterrupt("killed")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        session.checkpoint(tmp_path)
+    monkeypatch.setattr(os, "replace", replace)
+    session.close()
+    resumed = pt.Session("single", progress_bar=False)
+    again = make_model("mlp")
+    resumed.setup(again, torch.optim.SGD(again.parameters(), lr=0.1))
+    assert resumed.resume(tmp_path) and resumed.micro_step == 2
+    assert_same_params(again.state_dict(), newest if killed_before == "second rename" else earlier, atol=0)
+    resumed.close()
+
+
 # -- 6. resume says when it finds nothing, and takes a checkpoint directory --------------------
 
 
