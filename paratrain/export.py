@@ -50,7 +50,15 @@ class SafetensorsWriter:
         self.path = Path(path)
         self._partial = self.path.with_name(self.path.name + ".partial")
         self._spool = self.path.with_name(self.path.name + ".data")
-        self._data = open(self._spool, "wb")
+        if self.path.is_dir():
+            raise ConfigError(f"cannot export to {self.path}: it is a directory; pass a file path, such as "
+                              f"{self.path / 'model.safetensors'}")
+        if not self.path.parent.is_dir():
+            raise ConfigError(f"cannot export to {self.path}: its folder {self.path.parent} does not exist")
+        try:
+            self._data = open(self._spool, "wb")
+        except OSError as e:
+            raise ConfigError(f"cannot export to {self.path}: {e}") from e
         self._header: dict[str, dict] = {}
         self._offset = 0
 
@@ -74,14 +82,19 @@ class SafetensorsWriter:
         return self._offset
 
     def close(self) -> Path:
+        """Write the file; a failure (a full disk) leaves neither side file behind."""
         self._data.close()
         header = json.dumps({"__metadata__": {"format": "pt"}, **self._header}, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        with open(self._partial, "wb") as out, open(self._spool, "rb") as data:
-            out.write(struct.pack("<Q", len(header)))
-            out.write(header)
-            shutil.copyfileobj(data, out, 16 << 20)
-        os.replace(self._partial, self.path)
+        try:
+            with open(self._partial, "wb") as out, open(self._spool, "rb") as data:
+                out.write(struct.pack("<Q", len(header)))
+                out.write(header)
+                shutil.copyfileobj(data, out, 16 << 20)
+            os.replace(self._partial, self.path)
+        except OSError as e:
+            self.discard()
+            raise ConfigError(f"writing {self.path} failed: {e}; nothing was left behind") from e
         self._spool.unlink()
         return self.path
 
@@ -109,7 +122,7 @@ def export_model(path: str | os.PathLike, model: nn.Module) -> Path | None:
     writer, failed = None, None
     try:
         writer = SafetensorsWriter(path) if rank() == 0 else None
-    except OSError as e:
+    except ConfigError as e:
         failed = e
     for piece in state_pieces(model):
         if writer is not None and failed is None:
@@ -124,6 +137,8 @@ def export_model(path: str | os.PathLike, model: nn.Module) -> Path | None:
         if failed is not None:
             if writer is not None:
                 writer.discard()
+            if isinstance(failed, ConfigError):
+                raise failed
             raise ConfigError(f"exporting to {path} failed: {failed}") from failed
         return writer.close()
 

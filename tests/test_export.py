@@ -2,6 +2,7 @@
 strictly into the plain model (or a transformers model of the same config) and gives the trained
 sharded model's logits."""
 
+import errno
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from torch import nn
 
 import paratrain as pt
 from paratrain import checkpoint
+from paratrain.export import export_checkpoint
 from paratrain.testing import max_param_diff, run_on_ranks
 from pipeline_models import TinyGPT, next_token_loss, tiny_gpt_strategy, token_batches
 
@@ -164,3 +166,22 @@ def _train_gpt2(topo, path: str):
     state = session.full_state_dict()
     if topo.rank == 0:
         torch.save(state, os.path.join(os.path.dirname(path), "trained.pt"))
+
+
+def test_an_export_to_a_bad_path_is_one_clear_error_and_leaves_no_file(tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    run_on_ranks(_train_and_save, 1, "ddp", str(ckpt), None)
+    (tmp_path / "outdir").mkdir()
+    done = export(str(ckpt), str(tmp_path / "outdir"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "it is a directory" in done.stderr.splitlines()[-1]
+    with pytest.raises(pt.ConfigError, match="its folder .*missing does not exist"):
+        export_checkpoint(ckpt, tmp_path / "missing" / "model.safetensors")
+
+    def disk_full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(pt.ConfigError, match="No space left on device.*nothing was left behind"):
+        export_checkpoint(ckpt, tmp_path / "model.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "outdir"]
