@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -227,10 +228,20 @@ def _optimizer_keys(metadata) -> dict[str, torch.dtype]:
             if key.startswith("optim/")}
 
 
+def hyperparameter(value: Any) -> Any:
+    """A param group's value as JSON keeps it: numbers, strings, and tuples of numbers (Adam's
+    betas) as lists; None for what a checkpoint does not carry (tensors, callables)."""
+    if isinstance(value, (int, float, bool, str)):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (int, float, bool)) for v in value):
+        return list(value)
+    return None
+
+
 def _hyperparameters(optimizer) -> list[dict]:
     if optimizer is None:
         return []
-    return [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str))}
+    return [{k: hyperparameter(v) for k, v in g.items() if k != "params" and hyperparameter(v) is not None}
             for g in optimizer.param_groups]
 
 
@@ -241,7 +252,9 @@ def _apply_hyperparameters(optimizer, groups: list[dict]) -> None:
         raise ConfigError(f"the checkpoint's optimizer has {len(groups)} param groups, this one "
                           f"{len(optimizer.param_groups)}; build the optimizer as the run that saved it")
     for mine, saved in zip(optimizer.param_groups, groups):
-        mine.update(saved)  # e.g. the learning rate a scheduler had reached
+        # e.g. the learning rate a scheduler had reached; betas back as the tuple they were
+        mine.update({k: tuple(v) if isinstance(v, list) and isinstance(mine.get(k), tuple) else v
+                     for k, v in saved.items()})
 
 
 def _replace(partial: Path, path: Path) -> None:

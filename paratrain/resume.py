@@ -166,7 +166,8 @@ def check_same_optimizer(session: "Session", path: Path, keep_current: bool) -> 
                           "alone: session.load(path, weights_only=True) / session.resume(root, weights_only=True)")
     changed = sorted({f"{k} {mine[k]!r} → {theirs[k]!r}" for mine, theirs in
                       zip(session.optimizer.param_groups, marker.get("param_groups", []))
-                      for k in theirs if k in mine and mine[k] != theirs[k] and not _scheduled(k, mine, theirs)})
+                      for k in theirs if k in mine and checkpoint.hyperparameter(mine[k]) != theirs[k]
+                      and not _scheduled(k, mine, theirs)})
     if changed and not keep_current and session.is_main:
         warnings.warn(f"resuming from {path} replaces this optimizer's {', '.join(changed)} with the "
                       "checkpoint's; pass hyperparameters='current' to keep yours", stacklevel=4)

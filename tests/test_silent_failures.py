@@ -1,6 +1,7 @@
 """What used to pass silently (issue 16, points 8-15): each case either works or stops with a
 paratrain error naming the cause. Every test here failed on the code before the fix."""
 
+import functools
 import itertools
 import math
 import warnings
@@ -484,6 +485,24 @@ def test_a_new_learning_rate_at_resume_is_named_and_can_be_kept(tmp_path):
             else:
                 session.load(tmp_path / "sgd", hyperparameters=policy)
             assert opt.param_groups[0]["lr"] == lr and session.micro_step == 1
+
+
+def test_adams_betas_come_back_from_the_checkpoint_as_the_learning_rate_does(tmp_path):
+    """A tuple hyperparameter (Adam's betas) is saved and restored, as a tuple, and a new value of
+    yours is named like a new learning rate (it was dropped at save: yours won, silently)."""
+    _train_and_save(tmp_path / "adam", functools.partial(torch.optim.Adam, betas=(0.8, 0.9)), 0.01)
+    with pt.Session("single", progress_bar=False) as session:
+        model = make_model("mlp")
+        model, opt = session.setup(model, torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.5, 0.5)))
+        with pytest.warns(UserWarning, match=r"replaces this optimizer's betas \(0.5, 0.5\) → \[0.8, 0.9\]"):
+            session.load(tmp_path / "adam")
+        assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+    with pt.Session("single", progress_bar=False) as session:  # the same betas: nothing to name
+        model = make_model("mlp")
+        model, opt = session.setup(model, torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            session.load(tmp_path / "adam")
 
 
 def _nan_backward_dropped(topo, stage):
