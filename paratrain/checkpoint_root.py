@@ -52,6 +52,11 @@ def resume(root: str | os.PathLike, load_fn: Callable[[Path], Any], *, required:
     if not candidates:
         if required:
             raise ConfigError(agree(lambda: _nothing_found(root)))
+        others = _not_step_named(root) if rank() == 0 and root.is_dir() else []
+        if others:  # saved with session.save(root / name): not what resume looks for, but said
+            warnings.warn(f"resume({str(root)!r}) starts from scratch: {root} holds no checkpoint step-*, but "
+                          f"{', '.join(others[:5])} {'are checkpoints' if len(others) > 1 else 'is a checkpoint'}"
+                          " under another name: pass its path to resume from it", CheckpointWarning, stacklevel=2)
         return None
     skipped = []
     for path in candidates:
@@ -77,6 +82,11 @@ def _candidates(root: Path) -> list[Path]:
     return list(reversed(complete(root))) if root.is_dir() else []
 
 
+def _not_step_named(root: Path) -> list[str]:
+    """The complete checkpoints directly under `root` whose names resume() does not look for."""
+    return sorted(p.name + "/" for p in root.iterdir() if p.is_dir() and (p / MARKER).is_file())
+
+
 def _nothing_found(root: Path) -> str:
     where = f"resume({str(root)!r}, required=True) found no checkpoint:"
     if not root.exists():
@@ -85,7 +95,7 @@ def _nothing_found(root: Path) -> str:
     if not root.is_dir():
         return f"{where} {root} is a file; pass the directory session.checkpoint() wrote to"
     children = sorted(p.name + "/" * p.is_dir() for p in root.iterdir())
-    named = [c for c in children if (root / c / MARKER).is_file()]
+    named = _not_step_named(root)
     hint = (f"; {', '.join(named[:5])} {'are checkpoints' if len(named) > 1 else 'is a checkpoint'} not "
             "named step-*: pass its path to load it") if named else ""
     return (f"{where} {root} holds no complete checkpoint step-*/ with a {MARKER} (it holds: "

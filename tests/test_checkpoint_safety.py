@@ -438,3 +438,17 @@ def test_resuming_with_an_accumulate_that_does_not_divide_the_saved_micro_batch_
     assert sessions[1].micro_step == 0 and sessions[2].resume(tmp_path) and sessions[2].micro_step == 3
     for session in sessions:
         session.close()
+
+
+def test_resume_warns_when_the_root_holds_checkpoints_under_other_names(tmp_path):
+    """session.save(root / "epoch-3") is not what resume(root) looks for (step-*): starting from
+    scratch then is said, with the checkpoint to pass."""
+    session = pt.Session("single", progress_bar=False)
+    model = make_model("mlp")
+    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    session.save(tmp_path / "epoch-3")
+    with pytest.warns(checkpoint.CheckpointWarning, match=r"starts from scratch: .* holds no checkpoint step-\*, "
+                                                          r"but epoch-3/ is a checkpoint under another name"):
+        assert not session.resume(tmp_path)
+    assert session.resume(tmp_path / "epoch-3")
+    session.close()
