@@ -366,3 +366,19 @@ def test_find_unused_follows_a_dataclass_output_and_names_a_parameter_reached_an
     with pytest.raises(RankFailure, match=r"aux_head\.(weight|bias) got a gradient in a backward for which "
                                           r"find_unused_parameters=True had counted it as unused"):
         run_on_ranks(_find_unused_output, 2, "aux", timeout=60, collective_timeout=10)
+
+
+def _sparse_embedding(topo, how):
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    if how == "ddp":
+        pt.DistributedDataParallel(model)
+    else:
+        pt.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=2)
+
+
+@pytest.mark.parametrize("how", ["ddp", "zero2"])
+def test_a_sparse_embedding_is_named_before_training(how):
+    """Its sparse gradient cannot enter a dense bucket: a raw RuntimeError in the middle of the
+    first backward before, now an error at wrapping that names the module and what to do."""
+    with pytest.raises(RankFailure, match=r"0 gives sparse gradients \(sparse=True\).*sparse=False, or use ZeRO stage 3"):
+        run_on_ranks(_sparse_embedding, 1, how, timeout=60)

@@ -90,6 +90,12 @@ class DistributedDataParallel(ParallelModule, Joinable):
         if not self._params:
             raise ConfigError("the module has no parameter that requires a gradient; "
                               "DistributedDataParallel has nothing to synchronise")
+        sparse = [n or "the model" for n, m in module.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+        if sparse:
+            raise ConfigError(f"{', '.join(sparse[:3])} give{'s' * (len(sparse) == 1)} sparse gradients "
+                              "(sparse=True), which paratrain's DDP and ZeRO stages 1-2 cannot reduce (their "
+                              "buckets are dense): build it with sparse=False, or use ZeRO stage 3")
         self.modules_buffers = list(module.buffers())  # listed once, as torch's DDP
         if init_sync:
             self._check_same_model_everywhere()
