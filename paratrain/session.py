@@ -242,8 +242,10 @@ class Session(JobFacts, SessionCheckpoints):
         """What backward multiplies this micro-batch's loss by: 1/accumulate, or its weight
         (normalised in step()), times the fp16 loss scale."""
         if weight is not None and not self._require_model().supports_token_weights:
-            raise UsageError(f"weight= is not supported with strategy {self.strategy.name!r} yet: its micro-batches "
-                             "are cut inside the schedule; pass losses averaged over equal numbers of tokens")
+            raise UsageError(f"weight= is not supported with strategy {self.strategy.name!r} yet: it cuts each batch "
+                             "itself (a pipeline's micro-batches, balanced DataParallel's per-device losses), and "
+                             "a batch's weight cannot weigh its pieces; pass losses averaged over equal numbers "
+                             "of tokens")
         factor = self._weights.add(weight, self.accumulate)
         return factor * (self.scaler.scale_value if self.scaler is not None else 1.0)
 

@@ -109,11 +109,15 @@ def test_weight_on_some_micro_batches_only_is_an_error():
         session.close()
 
 
-def test_weight_with_a_pipeline_is_refused():
-    session = _single_session(accumulate=1, strategy=pt.Pipeline(stages=1, microbatches=1))
+@pytest.mark.parametrize("strategy,name", [(pt.Pipeline(stages=1, microbatches=1), "pipeline"),
+                                           (pt.DP(devices=("cpu", "cpu"), balanced=True), "dp")])
+def test_weight_with_a_strategy_that_cuts_the_batch_itself_is_refused(strategy, name):
+    """A pipeline's micro-batches, and balanced DataParallel's chunk losses (weighted by rows:
+    it trained with another gradient than one process before), cannot take a batch's weight."""
+    session = _single_session(accumulate=1, strategy=strategy)
     try:
         x, y = _data(0)
-        with pytest.raises(pt.UsageError, match="weight= is not supported with strategy 'pipeline'"):
+        with pytest.raises(pt.UsageError, match=f"weight= is not supported with strategy '{name}'"):
             session.train_step((x[:3], y[:3]), token_mean, weight=3)
     finally:
         session.close()

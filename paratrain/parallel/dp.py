@@ -58,6 +58,8 @@ class DataParallel(ParallelModule):
                  output_device: Device | None = None, *, balanced: bool = False):
         super().__init__()
         self.module, self.balanced = module, balanced
+        # balanced: each chunk's loss is weighted by its rows, which a batch's token weight cannot reach
+        self.supports_token_weights = not balanced
         self.devices = [_device(d) for d in (devices if devices is not None else _all_cuda())]
         if not self.devices:
             raise ConfigError("DataParallel needs at least one device: pass devices=['cuda:0', "
