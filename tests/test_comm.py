@@ -140,6 +140,11 @@ def _helpers_job(topo):
     metrics = {"loss": float(r), "acc": torch.tensor(r * 0.5)}
     out["metrics"] = comm.mean_metrics(metrics if r == 0 else dict(reversed(metrics.items())))
     out["metric"] = comm.mean_metrics(r + 1.0)
+    for theirs in ({"loss": 1.0, "grad_norm": 2.0}, {"loss": 1.0}):  # as many names as rank 0's, or fewer
+        try:
+            comm.mean_metrics({"loss": 3.0, "acc": 0.5} if r == 0 else theirs)
+        except UsageError as e:
+            out.setdefault("other_names", []).append(str(e))
     out["object"] = comm.broadcast_object({"from": r, "items": [r] * 3}, src=1)
     out.update(_p2p(r))
     out["counters"] = _counters()
@@ -184,6 +189,9 @@ def test_helpers_on_two_ranks():
         assert out["reduce_scatter"].tolist() == [[10.0, 12.0], [14.0, 16.0]][rank]
         assert out["reduce_scatter_mean"].tolist() == [[5.0, 6.0], [7.0, 8.0]][rank]
         assert out["metrics"] == {"loss": 0.5, "acc": 0.25} and out["metric"] == 1.5
+        assert len(out["other_names"]) == 2  # averaged by position before: acc mixed with grad_norm
+        assert "rank 0: acc, loss; rank 1: grad_norm, loss" in out["other_names"][0]
+        assert "rank 0: acc, loss; rank 1: loss" in out["other_names"][1]
         assert out["object"] == {"from": 1, "items": [1, 1, 1]}
         # ring bytes with N = 2: all-reduce 2·(N-1)/N·size, reduce-scatter and all-gather (N-1)/N
         assert out["counters"] == {"all_reduce": 2 * 501 * 4, "reduce_scatter": 15 * 4,
