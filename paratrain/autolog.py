@@ -5,7 +5,8 @@ the other backends) with what a user would otherwise compute by hand:
     lr                   the first param group's learning rate
     grad_norm            the global gradient norm before clipping (when max_grad_norm is set)
     loss_scale, skipped_steps   fp16's scale and the steps it skipped so far
-    samples_per_second   the global batch rate since the last row
+    samples_per_second   the global batch rate since the last row (the first row's: since the first
+                         micro-batch); counted by train_step, so a custom step's rows leave it out
     tokens_per_second    the same in tokens, when the inputs are token ids (integer tensors of
                          rank >= 2, or a dict's input_ids)
     mfu                  model FLOPs utilisation, when Logging(flops_per_sample=, peak_flops=) say
@@ -54,10 +55,12 @@ class StepMeter:
     def __init__(self, logging: Logging):
         self.logging = logging
         self.samples = self.tokens = self.steps = 0
-        self.since = time.perf_counter()
+        self.since: float | None = None  # the first micro-batch starts the clock, not Session()
 
     def count(self, inputs: Any) -> None:
-        """One micro-batch of this rank's."""
+        """One micro-batch of this rank's (train_step's)."""
+        if self.since is None:
+            self.since = time.perf_counter()
         self.samples += batch_len(inputs)
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else inputs
         if torch.is_tensor(ids) and ids.dim() >= 2 and not ids.is_floating_point():
@@ -70,22 +73,25 @@ class StepMeter:
             return
         session.log(**self.row(session, result))
         self.samples = self.tokens = 0
-        self.since = time.perf_counter()
+        if self.since is not None:
+            self.since = time.perf_counter()
 
     def row(self, session: "Session", result: "StepResult") -> dict[str, float]:
-        elapsed = max(time.perf_counter() - self.since, 1e-9)
+        counted = self.since is not None  # the same on every rank: they step alike
+        elapsed = max(time.perf_counter() - self.since, 1e-9) if counted else 0.0
         replicas = session.model.replicas if session.model is not None else 1
-        row = {"lr": float(session.optimizer.param_groups[0]["lr"]),
-               "samples_per_second": self.samples * replicas / elapsed}
+        row = {"lr": float(session.optimizer.param_groups[0]["lr"])}
+        if counted:  # a custom step (session.backward) counts no samples: no rate rather than 0
+            row["samples_per_second"] = self.samples * replicas / elapsed
         if session.last_loss is not None:
             row["loss"] = float(session.last_loss)
-        if self.tokens:
+        if self.tokens and counted:
             row["tokens_per_second"] = self.tokens * replicas / elapsed
         if result.grad_norm is not None:
             row["grad_norm"] = float(result.grad_norm)
         if session.scaler is not None:
             row.update(loss_scale=session.scaler.scale_value, skipped_steps=session.scaler.skipped_steps)
-        if self.logging.flops_per_sample and self.logging.peak_flops:
+        if self.logging.flops_per_sample and self.logging.peak_flops and counted:
             per_device = self.logging.flops_per_sample * row["samples_per_second"] / session.world_size
             row["mfu"] = per_device / self.logging.peak_flops
         return row

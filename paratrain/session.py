@@ -234,8 +234,9 @@ class Session(JobFacts, SessionCheckpoints):
             loss = session.train_step((x, targets), lambda out, y: F.cross_entropy(
                 out.flatten(0, 1), y.flatten(), ignore_index=PAD), weight=mask.sum())"""
         self._check_finite(check_loss(loss))
+        self.last_loss = loss.detach()  # the progress bar's and the automatic rows' loss
         if self._verify is not None:
-            self._verify.loss(loss.detach())
+            self._verify.loss(self.last_loss)
         backward_no_autocast(scaled(loss, self._loss_factor(weight)))
 
     def _loss_factor(self, weight: float | torch.Tensor | None) -> float:

@@ -4,6 +4,7 @@ metrics.csv, TensorBoard, Weights & Biases (offline) and MLflow (a local store).
 
 import csv
 import os
+import time
 
 import pytest
 import torch
@@ -82,3 +83,37 @@ def test_logging_needs_a_log_dir_and_known_backends():
     with pytest.raises(pt.ConfigError, match="unknown logging backend"):
         pt.Session("single", log_dir="/tmp/never", logging=pt.Logging(backends=("neptune",)))
     pt.destroy()
+
+
+def _custom_or_late(log_dir, custom):
+    """One process; `custom`: the README's custom step (accumulation, backward, step); else
+    train_step after a 1 s pause between Session() and the first micro-batch."""
+    session = pt.Session("single", progress_bar=False, log_dir=log_dir, logging=pt.Logging(every=EVERY,
+                         backends=()))
+    torch.manual_seed(0)
+    model = TokenModel()
+    model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ids = torch.randint(0, 7, (4, 5), generator=torch.Generator().manual_seed(0))
+    if not custom:
+        time.sleep(1.0)
+    for _ in range(STEPS):
+        if custom:
+            with session.accumulation():
+                session.backward(_loss(model(ids), ids))
+            session.step()
+        else:
+            session.train_step((ids, ids), _loss)
+    session.close()
+    with open(os.path.join(log_dir, "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_custom_steps_rows_hold_its_loss_and_no_made_up_rate(tmp_path):
+    """A custom step counts no samples: its rows leave the rate out (it wrote 0.0) and hold the
+    loss (it was missing); the first row's rate starts at the first micro-batch, not at
+    Session() (a pause before training made it tiny)."""
+    rows = _custom_or_late(str(tmp_path / "custom"), custom=True)
+    assert [int(r["step"]) for r in rows] == [EVERY, 2 * EVERY]
+    assert all(float(r["loss"]) > 0 and not r.get("samples_per_second") for r in rows)
+    rows = _custom_or_late(str(tmp_path / "late"), custom=False)
+    assert float(rows[0]["samples_per_second"]) > 4 * EVERY / 0.5  # its 8 samples took far less than the pause
