@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 
 def progress(session: "Session", loader: Iterable, desc: str | None = None) -> Iterator[Any]:
     """Iterate `loader` once with a bar on rank 0 (see `Session.progress`)."""
-    # the training loader reads session.epoch at each pass and ends it (loader.py); another
-    # training loader of the user's own is counted here
-    training = loader is session.loader and not isinstance(loader, ShardedLoader)
+    # the training loader reads session.epoch at each pass and a complete pass ends it
+    # (loader.py); its epoch is chosen here already, so that the bar's total is that epoch's
+    if isinstance(loader, ShardedLoader) and loader.epochs is session:
+        loader.set_epoch(session.epoch)
     replicas = session.model.replicas if session.model is not None else 1
     try:
         total = len(loader)  # type: ignore[arg-type]
@@ -39,8 +40,6 @@ def progress(session: "Session", loader: Iterable, desc: str | None = None) -> I
                 bar.set_postfix(loss=f"{session.last_loss.item():.4f}",
                                 samples_s=f"{session.samples_per_second:.0f}", refresh=False)
             bar.update()
-        if training:
-            session.end_epoch()
     finally:  # also when the loop breaks early
         bar.close()
 
