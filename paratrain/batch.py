@@ -7,9 +7,11 @@
 
 `weight="tokens"` counts the label tokens the loss is a mean over: the targets (or the batch's
 "labels") that are not -100, the ignore index of torch's cross_entropy and of transformers.
-A causal language model that shifts its labels inside (transformers' *ForCausalLM: a batch
-with input_ids and labels of the same shape, and no loss_fn) predicts labels[..., 1:] only,
-so those are counted.
+A causal language model that shifts its labels inside predicts labels[..., 1:] only, so those
+are counted when the model computes its own loss (no loss_fn): for a transformers model, when
+its class is a causal LM (*ForCausalLM, *LMHeadModel; not *ForTokenClassification or
+*ForMaskedLM, whose labels line up with input_ids); for a model of your own, when the batch's
+input_ids and labels have the same shape.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ IGNORE_INDEX = -100
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-def unpack(batch: Any, loss_fn: LossFn | None, weight: Any) -> tuple[Any, Any, LossFn | None, Any]:
-    """(inputs, targets, loss_fn or None for the model's own loss, weight) of one batch."""
+def unpack(batch: Any, loss_fn: LossFn | None, weight: Any,
+           shifts_labels: bool | None = None) -> tuple[Any, Any, LossFn | None, Any]:
+    """(inputs, targets, loss_fn or None for the model's own loss, weight) of one batch.
+    `shifts_labels`: whether the model's own loss predicts labels[..., 1:] (label_shift); None:
+    judged by the batch's shapes."""
     if isinstance(batch, Mapping):
         targets = batch.get("labels")
         if loss_fn is not None and targets is None:
@@ -35,7 +40,8 @@ def unpack(batch: Any, loss_fn: LossFn | None, weight: Any) -> tuple[Any, Any, L
                              f"one has none (keys {sorted(batch)}); add them, or leave loss_fn out for a model "
                              "that computes its own loss")
         if weight == "tokens":
-            weight = _tokens(targets, shifted=loss_fn is None and _causal_lm(batch))
+            causal = _causal_lm(batch) if shifts_labels is None else shifts_labels
+            weight = _tokens(targets, shifted=loss_fn is None and causal)
         return batch, targets, loss_fn, weight
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise UsageError(f"train_step takes batch = (inputs, targets), or a dict of model inputs; got a "
@@ -47,6 +53,15 @@ def unpack(batch: Any, loss_fn: LossFn | None, weight: Any) -> tuple[Any, Any, L
                          "(a model that computes its own loss from labels=) may leave it out")
     inputs, targets = batch
     return inputs, targets, loss_fn, _tokens(targets, shifted=False) if weight == "tokens" else weight
+
+
+def label_shift(model: Any) -> bool | None:
+    """Whether a transformers model's own loss shifts its labels (a causal LM), by its class;
+    None for any other model (the batch's shapes then say)."""
+    kind = type(model)
+    if not kind.__module__.startswith("transformers."):
+        return None
+    return kind.__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
 
 def _causal_lm(batch: Mapping) -> bool:

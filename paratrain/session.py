@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from paratrain import checkpoint
 from paratrain.accumulation import TokenWeights
 from paratrain.activation_checkpointing import Which, checkpoint_activations
-from paratrain.batch import unpack
+from paratrain.batch import label_shift, unpack
 from paratrain.loader import shard_loader, to_device
 from paratrain.materialize import MetaInit
 from paratrain.errors import ConfigError, UsageError
@@ -113,6 +113,7 @@ class Session(JobFacts, SessionCheckpoints):
         self.registered: dict[str, Any] = {}  # name → object whose state checkpoints carry
         self.unclaimed: dict[str, Any] = {}  # loaded states of objects not registered yet (resume.py)
         self._in_micro_batch = False  # an accumulation() block was entered, step() not yet called
+        self._label_shift: bool | None = None  # the model's own loss shifts its labels (batch.py)
         self.given = Given(0, 0, None)  # the model and optimizer given to setup(), as given
         self.step_boundary: dict | None = None  # the loop at the last optimizer step (resume.py)
         self.preemption = Preemption(str(checkpoint_on_preempt)) if checkpoint_on_preempt else None
@@ -137,6 +138,7 @@ class Session(JobFacts, SessionCheckpoints):
             raise UsageError("setup() was already called on this session: keep using the model, "
                              "optimizer and loader it returned, or make a new Session for another model")
         self.given = describe(model, optimizer)
+        self._label_shift = label_shift(uncompiled(model))  # what weight="tokens" counts (batch.py)
         if self._verify is not None:
             self._verify.prepare(model)
         if self.activation_checkpointing is not None:
@@ -172,7 +174,7 @@ class Session(JobFacts, SessionCheckpoints):
         `batch`: (inputs, targets), or a dict of model inputs whose model computes its own loss
         when loss_fn is left out (batch.py). `weight`: what the loss is a mean over (its number
         of valid tokens; "tokens" counts the labels that are not -100); see `backward`."""
-        inputs, targets, loss_fn, weight = unpack(to_device(batch, self.device), loss_fn, weight)
+        inputs, targets, loss_fn, weight = unpack(to_device(batch, self.device), loss_fn, weight, self._label_shift)
         model = self._require_model()
         if self.meter is not None:
             self.meter.count(inputs)

@@ -82,3 +82,35 @@ def test_a_dict_batch_without_labels_or_loss_fn_says_what_to_pass():
             session.train_step({"input_ids": batches(False)[0]["input_ids"]})
         with pytest.raises(pt.UsageError, match="needs loss_fn"):
             session.train_step((batches(False)[0]["input_ids"], batches(False)[0]["labels"]))
+
+
+def tagger():
+    from transformers import BertConfig, BertForTokenClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=16, max_position_embeddings=LENGTH, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForTokenClassification(config)
+
+
+def test_weight_tokens_counts_a_token_classifiers_labels_unshifted():
+    """A token classifier's labels have input_ids' shape but line up with them (no shift, unlike a
+    causal LM's): weight="tokens" must count them all, so two micro-batches holding 5 and 12 label
+    tokens train as one process on the whole batch (it counted labels[..., 1:] before)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (4, LENGTH), generator=g)
+    labels = torch.randint(0, 3, (4, LENGTH), generator=g)
+    labels[0, 2:] = -100
+    labels[1, 3:] = -100
+    reference = tagger()
+    reference(input_ids=ids, labels=labels).loss.backward()
+    with pt.Session("single", accumulate=2, progress_bar=False) as session:
+        model = tagger()
+        _, opt = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        seen = {}
+        opt.register_step_pre_hook(lambda *_: seen.update({n: p.grad.clone() for n, p in model.named_parameters()}))
+        for rows in (slice(0, 2), slice(2, 4)):
+            session.train_step({"input_ids": ids[rows], "labels": labels[rows]}, weight="tokens")
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert max_param_diff({n: seen[n] for n in expected}, expected) < 1e-6
