@@ -13,7 +13,8 @@ worker.attach()  # first, before torch loads: under `paratrain run`, die with th
 
 from paratrain.activation_checkpointing import checkpoint_activations  # noqa: E402
 from paratrain.autolog import Logging  # noqa: E402
-from paratrain.comm import all_gather_with_grad, broadcast_object, mean_metrics  # noqa: E402
+from paratrain.comm import all_gather_with_grad, broadcast_object  # noqa: E402
+from paratrain.metrics import mean_metrics  # noqa: E402
 from paratrain.contrastive import Gathered, gather_embeddings, nt_xent_loss
 from paratrain.data import DistributedSampler, partition
 from paratrain.errors import (

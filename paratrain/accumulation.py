@@ -9,6 +9,8 @@ mean), so the step's gradient is that of the mean over every token.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -47,3 +49,26 @@ class TokenWeights:
         dist.all_reduce(total_t)
         total = total_t.item()
         return replicas / total if total > 0 else 1.0  # no tokens anywhere: the gradients are 0
+
+
+class MicroBatch:
+    """The context of one micro-batch (Session.accumulation). On an error inside it, the session
+    forgets the micro-batch (its token weight and its loss), so that a loop may catch the error
+    and go on with the next batch. A class, not a generator: it is entered once per micro-batch."""
+
+    __slots__ = ("session", "last", "weights", "losses")
+
+    def __init__(self, session: Any, last: bool):
+        weights = session._weights
+        self.session, self.last = session, last
+        self.weights, self.losses = (weights.total, weights.weighted, weights.plain), len(session._losses.items)
+
+    def __enter__(self) -> bool:
+        return self.last
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is not None:
+            session, weights = self.session, self.session._weights
+            session._in_micro_batch = False
+            weights.total, weights.weighted, weights.plain = self.weights
+            del session._losses.items[self.losses:]

@@ -18,9 +18,8 @@ Conventions shared by every function here:
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -217,42 +216,6 @@ class _AllGatherWithGrad(torch.autograd.Function):
     def backward(ctx, grad):
         mine = reduce_scatter(grad.movedim(ctx.dim, 0), group=ctx.group)
         return mine.movedim(0, ctx.dim), None, None
-
-
-def mean_metrics(metrics: Mapping[str, Any] | float | torch.Tensor, group=None):
-    """Mean over ranks of scalar metrics (floats or one-element tensors), in one all-reduce.
-    A dict gives a dict of floats, a single value a float. Every rank passes the same keys."""
-    if not isinstance(metrics, Mapping):
-        return _mean_scalars({"value": metrics}, group)["value"]
-    return _mean_scalars(metrics, group)
-
-
-def _mean_scalars(metrics: Mapping[str, Any], group) -> dict[str, float]:
-    names = sorted(metrics)  # the same order on every rank, whatever order the dicts were built in
-    for name in names:
-        if isinstance(metrics[name], torch.Tensor) and metrics[name].numel() != 1:
-            raise UsageError(f"mean_metrics takes scalars; {name!r} has shape "
-                             f"{tuple(metrics[name].shape)}: reduce it to one number first")
-    _check_same_names(names, group)
-    values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=group_device(group))
-    all_reduce(values, group=group, average=True)
-    return dict(zip(names, values.tolist()))
-
-
-def _check_same_names(names: list[str], group) -> None:
-    """Every rank averages the same names: values are reduced by position, so other names would
-    mix one metric with another (or, in another number, leave the ranks waiting). One all-reduce
-    (MAX) of a fingerprint of the names and its negation: they agree when max == min."""
-    fingerprint = int.from_bytes(hashlib.sha1("\0".join(names).encode()).digest()[:6], "big")  # exact in float64
-    both = torch.tensor([fingerprint, -fingerprint], dtype=torch.float64, device=group_device(group))
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    if both[0].item() != -both[1].item():
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, names, group=group)
-        listed = "; ".join(f"rank {rank}: {', '.join(them) or 'none'}" for rank, them in enumerate(everyone))
-        raise UsageError(f"every rank must log (or average) the same metric names, but they differ ({listed}): "
-                         "values are averaged name by name over the ranks; log the same names on every rank, "
-                         "or print a metric of one rank's own with print()")
 
 
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:

@@ -5,7 +5,7 @@
     session.log(loss=loss, lr=optimizer.param_groups[0]["lr"])   # every rank calls it
 
 Each call is a collective: the metrics are mean-reduced over the ranks in one all-reduce
-(`comm.mean_metrics`), then rank 0 appends a row `step, <metric>, ...` to `log_dir/metrics.csv`
+(`mean_metrics`, below), then rank 0 appends a row `step, <metric>, ...` to `log_dir/metrics.csv`
 and writes the same scalars to the other backends asked for (sinks.py: TensorBoard, used when
 installed; Weights & Biases; MLflow).
 A metric that appears in a later call (a validation loss logged once per epoch) adds a column:
@@ -16,11 +16,15 @@ A resumed run appends to the same file.
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-from paratrain.comm import mean_metrics
+import torch
+import torch.distributed as dist
+
+from paratrain.comm import all_reduce, group_device
 from paratrain.errors import UsageError
 from paratrain.sinks import open_sinks
 
@@ -115,6 +119,41 @@ def _floats(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def _distributed() -> bool:
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized()
+
+
+def mean_metrics(metrics: Mapping[str, Any] | float | torch.Tensor, group=None):
+    """Mean over ranks of scalar metrics (floats or one-element tensors), in one all-reduce
+    (after a one-number check that every rank passed the same names). A dict gives a dict of
+    floats, a single value a float."""
+    if not isinstance(metrics, Mapping):
+        return _mean_scalars({"value": metrics}, group)["value"]
+    return _mean_scalars(metrics, group)
+
+
+def _mean_scalars(metrics: Mapping[str, Any], group) -> dict[str, float]:
+    names = sorted(metrics)  # the same order on every rank, whatever order the dicts were built in
+    for name in names:
+        if isinstance(metrics[name], torch.Tensor) and metrics[name].numel() != 1:
+            raise UsageError(f"mean_metrics takes scalars; {name!r} has shape "
+                             f"{tuple(metrics[name].shape)}: reduce it to one number first")
+    _check_same_names(names, group)
+    values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=group_device(group))
+    all_reduce(values, group=group, average=True)
+    return dict(zip(names, values.tolist()))
+
+
+def _check_same_names(names: list[str], group) -> None:
+    """Every rank averages the same names: values are reduced by position, so other names would
+    mix one metric with another (or, in another number, leave the ranks waiting). One all-reduce
+    (MAX) of a fingerprint of the names and its negation: they agree when max == min."""
+    fingerprint = int.from_bytes(hashlib.sha1("\0".join(names).encode()).digest()[:6], "big")  # exact in float64
+    both = torch.tensor([fingerprint, -fingerprint], dtype=torch.float64, device=group_device(group))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if both[0].item() != -both[1].item():
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, names, group=group)
+        listed = "; ".join(f"rank {rank}: {', '.join(them) or 'none'}" for rank, them in enumerate(everyone))
+        raise UsageError(f"every rank must log (or average) the same metric names, but they differ ({listed}): "
+                         "values are averaged name by name over the ranks; log the same names on every rank, "
+                         "or print a metric of one rank's own with print()")

@@ -27,16 +27,16 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from paratrain import checkpoint
-from paratrain.accumulation import TokenWeights
+from paratrain.accumulation import MicroBatch, TokenWeights
 from paratrain.activation_checkpointing import Which, checkpoint_activations
 from paratrain.batch import label_shift, unpack
-from paratrain.loader import shard_loader, to_device
+from paratrain.loader import to_device
 from paratrain.materialize import MetaInit
 from paratrain.errors import ConfigError, UsageError
 from paratrain.autolog import Logging, open_metrics
 from paratrain.optim import Given, describe, retire_replaced
 from paratrain.parallel.base import ParallelModule, Strategy, backward_no_autocast, check_loss, scaled, uncompiled
-from paratrain.preemption import SIGNALS, Preemption, after_optimizer_step
+from paratrain.preemption import Preemption, after_optimizer_step
 from paratrain.precision import GradScaler, autocast_dtype, scaler_for
 from paratrain.resume import SessionCheckpoints, note_micro_step, position
 from paratrain.session_facts import JobFacts
@@ -156,15 +156,6 @@ class Session(JobFacts, SessionCheckpoints):
         out = [self.model] + [x for x in (self.optimizer, self.loader) if x is not None]
         return out[0] if len(out) == 1 else tuple(out)
 
-    def shard_loader(self, loader: DataLoader) -> DataLoader:
-        """The same loader, reading this replica's share: batch_size/replicas per step."""
-        model = self._require_model()
-        sharded = shard_loader(loader, replicas=model.replicas, index=model.replica_index, seed=self.seed,
-                               rank=self.rank, pin_memory=self.device.type == "cuda",
-                               ignored_signals=SIGNALS if self.preemption is not None else ())
-        model.check_loader(sharded)
-        return sharded
-
     # -- the step ----------------------------------------------------------------------------------
 
     def train_step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -208,13 +199,6 @@ class Session(JobFacts, SessionCheckpoints):
         with MicroBatch(self, last), sync, self.autocast():
             yield last
 
-    def _abandon_micro_batch(self, weights: tuple, losses: int) -> None:
-        """A micro-batch raised inside accumulation(): it counts for nothing (its token weight and
-        loss are forgotten), so the loop may catch the error and go on with the next batch."""
-        self._in_micro_batch = False
-        self._weights.total, self._weights.weighted, self._weights.plain = weights
-        del self._losses.items[losses:]
-
     def autocast(self) -> contextlib.AbstractContextManager:
         """`torch.autocast` in the session's precision on its device (nothing for "32").
         Strategies run backward inside `forward_backward` (a pipeline interleaves the two), each
@@ -245,10 +229,9 @@ class Session(JobFacts, SessionCheckpoints):
         """What backward multiplies this micro-batch's loss by: 1/accumulate, or its weight
         (normalised in step()), times the fp16 loss scale."""
         if weight is not None and not self._require_model().supports_token_weights:
-            raise UsageError(f"weight= is not supported with strategy {self.strategy.name!r} yet: it cuts each batch "
-                             "itself (a pipeline's micro-batches, balanced DataParallel's per-device losses), and "
-                             "a batch's weight cannot weigh its pieces; pass losses averaged over equal numbers "
-                             "of tokens")
+            raise UsageError(f"weight= is not supported with strategy {self.strategy.name!r} yet: it cuts batches "
+                             "itself (a pipeline's micro-batches, balanced DataParallel's per-device losses), so a "
+                             "batch's weight cannot weigh its pieces; pass losses averaged over equal token counts")
         factor = self._weights.add(weight, self.accumulate)
         return factor * (self.scaler.scale_value if self.scaler is not None else 1.0)
 
@@ -279,12 +262,6 @@ class Session(JobFacts, SessionCheckpoints):
             self.meter.after_step(self, result)  # automatic metric rows (autolog.py)
         after_optimizer_step(self, self.preemption)  # may checkpoint and exit (preemption.py)
         return result.stepped
-
-    def end_epoch(self) -> None:
-        """A complete pass over the training loader ended: the next reads the next epoch."""
-        if self._on_device is not None:  # the pass's last step, checked on the device (step.py)
-            self._on_device.raise_pending()
-        self.epoch += 1
 
     def _check_finite(self, loss: torch.Tensor) -> torch.Tensor:
         if self.nan_check:  # read at the optimizer step, with the gradients: no wait per micro-batch
@@ -319,22 +296,3 @@ class Session(JobFacts, SessionCheckpoints):
             raise UsageError("call session.setup(model, optimizer, loader) before training")
         return self.model
 
-
-class MicroBatch:
-    """The context of one micro-batch (Session.accumulation): on an error inside it, the session
-    forgets the micro-batch, so the next one can start. A class, not a generator: it is entered
-    once per micro-batch."""
-
-    __slots__ = ("session", "last", "weights", "losses")
-
-    def __init__(self, session: Session, last: bool):
-        weights = session._weights
-        self.session, self.last = session, last
-        self.weights, self.losses = (weights.total, weights.weighted, weights.plain), len(session._losses.items)
-
-    def __enter__(self) -> bool:
-        return self.last
-
-    def __exit__(self, kind: Any, *_: Any) -> None:
-        if kind is not None:
-            self.session._abandon_micro_batch(self.weights, self.losses)

@@ -1,7 +1,7 @@
 """What a Session tells about the job and the model, whatever the strategy: ranks, the device,
-batches moved to it, the progress bar (progress.py), rank-0 printing, the user's own model, its
-size, a per-rank seed, the whole state dict, contrastive gathers and metric logging (the Session
-class inherits these)."""
+batches moved to it, loaders sharded for it and their epochs, the progress bar (progress.py),
+rank-0 printing, the user's own model, its size, a per-rank seed, the whole state dict,
+contrastive gathers and metric logging (the Session class inherits these)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from paratrain.contrastive import Gathered, gather_embeddings
 from paratrain.errors import UsageError
-from paratrain.loader import to_device
+from paratrain.loader import shard_loader, to_device
 from paratrain.parallel.base import ParallelModule, full_state_dict, uncompiled
+from paratrain.preemption import SIGNALS
 from paratrain.progress import progress
 
 if TYPE_CHECKING:
@@ -38,6 +40,22 @@ class JobFacts:
         sampler is reshuffled for `session.epoch`, which then advances (also when the loop
         iterates that loader itself). Other loaders (validation) are iterated as they are."""
         return progress(self, loader, desc)
+
+    def shard_loader(self: "Session", loader: DataLoader) -> DataLoader:
+        """The same loader, reading this replica's share: batch_size/replicas per step (loader.py).
+        Under Session(checkpoint_on_preempt=...) its workers leave the signals to the rank."""
+        model = self._require_model()
+        sharded = shard_loader(loader, replicas=model.replicas, index=model.replica_index, seed=self.seed,
+                               rank=self.rank, pin_memory=self.device.type == "cuda",
+                               ignored_signals=SIGNALS if self.preemption is not None else ())
+        model.check_loader(sharded)
+        return sharded
+
+    def end_epoch(self: "Session") -> None:
+        """A complete pass over the training loader ended (loader.py): the next reads the next epoch."""
+        if self._on_device is not None:  # the pass's last step, checked on the device (step.py)
+            self._on_device.raise_pending()
+        self.epoch += 1
 
     def print(self: "Session", *args: Any, **kwargs: Any) -> None:
         """`print` on global rank 0 only."""

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from paratrain import comm
 from paratrain.errors import ConfigError, UsageError
+from paratrain.metrics import mean_metrics
 from paratrain.ring import ring_all_reduce
 from paratrain.testing import run_on_ranks
 
@@ -138,11 +139,11 @@ def _helpers_job(topo):
     out["reduce_scatter"] = comm.reduce_scatter(torch.arange(4.0) + 10 * r)
     out["reduce_scatter_mean"] = comm.reduce_scatter(torch.arange(4.0) + 10 * r, average=True)
     metrics = {"loss": float(r), "acc": torch.tensor(r * 0.5)}
-    out["metrics"] = comm.mean_metrics(metrics if r == 0 else dict(reversed(metrics.items())))
-    out["metric"] = comm.mean_metrics(r + 1.0)
+    out["metrics"] = mean_metrics(metrics if r == 0 else dict(reversed(metrics.items())))
+    out["metric"] = mean_metrics(r + 1.0)
     for theirs in ({"loss": 1.0, "grad_norm": 2.0}, {"loss": 1.0}):  # as many names as rank 0's, or fewer
         try:
-            comm.mean_metrics({"loss": 3.0, "acc": 0.5} if r == 0 else theirs)
+            mean_metrics({"loss": 3.0, "acc": 0.5} if r == 0 else theirs)
         except UsageError as e:
             out.setdefault("other_names", []).append(str(e))
     out["object"] = comm.broadcast_object({"from": r, "items": [r] * 3}, src=1)
