@@ -133,7 +133,7 @@ MUTANTS = [
            ("tests/test_ddp_join.py",)),
     Mutant("stream-resume-from-start", "a resumed IterableDataset stream starts its pass again",
            "paratrain/loader.py",
-           (("            batch = row // self.batch_size - self.skip", "            batch = row // self.batch_size"),),
+           (("            batch = row // self.batch_size - skip", "            batch = row // self.batch_size"),),
            ("tests/test_loaders.py",)),
     Mutant("rebuild-holds-two-layouts", "DDP's bucket rebuild allocates the new layout while the first one "
            "is still alive (a second gradient's worth of memory at its peak)", "paratrain/parallel/grad_sync.py",
@@ -341,6 +341,24 @@ MUTANTS = [
            "paratrain/__init__.py",
            (("flight_hooks.install()  # every rank", "flight_hooks.install(); __import__('gc').freeze()  # every rank"),),
            ("tests/test_cli.py::test_script_runs_on_every_rank_with_its_arguments_unchanged",)),
+    # the review of stop 39: what passed silently
+    Mutant("ported-sampler-refused", "a ported DDP script's DistributedSampler is refused (or, before, replaced)",
+           "paratrain/loader.py",
+           (("    if isinstance(sampler, (DistributedSampler, TorchDistributedSampler)):  # a ported DDP script's",
+             "    if False:"),),
+           ("tests/test_loaders.py::test_a_ported_scripts_distributed_sampler_keeps_its_shuffle_and_seed",)),
+    Mutant("nan-step-keeps-grads", "a step the NaN check stopped leaves its gradients for the next one",
+           "paratrain/step.py",
+           (("    except UsageError:  # the loop may catch it and go on", "    except ZeroDivisionError:  #"),),
+           ("tests/test_silent_failures.py::test_a_loop_that_catches_a_bad_batch_goes_on_as_if_it_were_not_there",)),
+    Mutant("find-unused-counted-twice", "a gradient arriving after find_unused sent its zero is reduced again",
+           "paratrain/parallel/grad_sync.py", (("        if p in self._marked:", "        if False:"),),
+           ("tests/test_ddp.py::test_find_unused_follows_a_dataclass_output_and_names_a_parameter_reached_another_way",)),
+    Mutant("resumed-window-start-lost", "a resumed run's mid-window save records the half-trained micro-batch",
+           "paratrain/resume.py",
+           (("    session.step_boundary = position(session) if session.accumulate > 1 else None",
+             "    session.step_boundary = None"),),
+           ("tests/test_checkpoint_safety.py::test_a_resumed_run_saving_mid_window_records_the_window_start",)),
 ]
 
 
