@@ -241,7 +241,7 @@ def hyperparameter(value: Any) -> Any:
 def _hyperparameters(optimizer) -> list[dict]:
     if optimizer is None:
         return []
-    return [{k: hyperparameter(v) for k, v in g.items() if k != "params" and hyperparameter(v) is not None}
+    return [{k: kept for k, v in g.items() if k != "params" and (kept := hyperparameter(v)) is not None}
             for g in optimizer.param_groups]
 
 

@@ -149,7 +149,7 @@ def _check_same_names(names: list[str], group) -> None:
     (MAX) of a fingerprint of the names and its negation: they agree when max == min."""
     fingerprint = int.from_bytes(hashlib.sha1("\0".join(names).encode()).digest()[:6], "big")  # exact in float64
     both = torch.tensor([fingerprint, -fingerprint], dtype=torch.float64, device=group_device(group))
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     if both[0].item() != -both[1].item():
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, names, group=group)

@@ -91,8 +91,10 @@ class SessionCheckpoints:
         if self._on_device is not None:  # a skipped step's error is not lost to a reload (step.py)
             self._on_device.raise_pending()
         if optimizer is not None:
-            check_same_optimizer(self, Path(path), keep_current=hyperparameters == "current")
-            check_whole_window(self, Path(path))
+            path = Path(path)
+            marker = checkpoint_files.read_marker(path) if (path / checkpoint_files.MARKER).is_file() else {}
+            check_same_optimizer(self, path, marker, keep_current=hyperparameters == "current")
+            check_whole_window(self, path, marker)
         loaded = checkpoint.load(path, self._require_model(), optimizer,
                                  hyperparameters=hyperparameters == "checkpoint")
         if not weights_only:
@@ -154,10 +156,9 @@ def refuse_non_finite(model: ParallelModule, path: Any) -> None:
                               "before are intact, and the newest of them is the newest good state")
 
 
-def check_same_optimizer(session: "Session", path: Path, keep_current: bool) -> None:
+def check_same_optimizer(session: "Session", path: Path, marker: dict, keep_current: bool) -> None:
     """Refuse optimizer state of another class (SGD given Adam's exp_avg and eps), and name the
-    hyperparameters the checkpoint's values replace."""
-    marker = checkpoint_files.read_marker(path) if (path / checkpoint_files.MARKER).is_file() else {}
+    hyperparameters the checkpoint's values replace. `marker`: the checkpoint's paratrain.json."""
     saved = marker.get("state", {}).get("optimizer")
     if saved and session.given.optimizer and saved != session.given.optimizer:
         raise ConfigError(f"checkpoint {path} holds the state of a {saved}, but this session's optimizer "
@@ -173,10 +174,9 @@ def check_same_optimizer(session: "Session", path: Path, keep_current: bool) -> 
                       "checkpoint's; pass hyperparameters='current' to keep yours", stacklevel=4)
 
 
-def check_whole_window(session: "Session", path: Path) -> None:
+def check_whole_window(session: "Session", path: Path, marker: dict) -> None:
     """Refuse to resume at a micro-batch that this session's `accumulate` does not divide: its
     first optimizer step would take fewer micro-batches, each scaled by 1/accumulate."""
-    marker = checkpoint_files.read_marker(path) if (path / checkpoint_files.MARKER).is_file() else {}
     micro_step = marker.get("state", {}).get("micro_step", 0)
     if micro_step % session.accumulate:
         divisors = [k for k in range(1, micro_step + 1) if micro_step % k == 0][:8]
