@@ -268,15 +268,22 @@ def test_a_lock_left_under_this_very_pid_by_an_earlier_process_is_taken_over(tmp
     assert not lock.exists()
 
 
+def _one_process(model=None, accumulate=1, loader=None):
+    """A single-process session over `model` (the MLP when None) with SGD at lr 0.1: (session,
+    model, loader) as setup returned them."""
+    session = pt.Session("single", progress_bar=False, accumulate=accumulate)
+    model = make_model("mlp") if model is None else model
+    out = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+    return session, model, out[2] if loader is not None else None
+
+
 @pytest.mark.parametrize("killed_before", ["first rename", "second rename"])
 def test_a_save_over_an_existing_name_killed_between_its_renames_leaves_its_newest_state(
         tmp_path, monkeypatch, killed_before):
     """Saving over `step-2` renames it to `step-2.old`, then `step-2.partial` to `step-2`: killed
     before the first rename, the root still holds the earlier `step-2`, as after any crashed save;
     killed between the two (no `step-2` left), the new save, complete, is the newest."""
-    session = pt.Session("single", progress_bar=False)
-    model = make_model("mlp")
-    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    session, model, _ = _one_process()
     xs, ys = make_batches(3, 8)
     for x, y in zip(xs[:2], ys[:2]):
         session.train_step((x, y), F.cross_entropy)
@@ -297,9 +304,7 @@ def test_a_save_over_an_existing_name_killed_between_its_renames_leaves_its_newe
         session.checkpoint(tmp_path)
     monkeypatch.setattr(os, "replace", replace)
     session.close()
-    resumed = pt.Session("single", progress_bar=False)
-    again = make_model("mlp")
-    resumed.setup(again, torch.optim.SGD(again.parameters(), lr=0.1))
+    resumed, again, _ = _one_process()
     assert resumed.resume(tmp_path) and resumed.micro_step == 2
     assert_same_params(again.state_dict(), newest if killed_before == "second rename" else earlier, atol=0)
     resumed.close()
@@ -375,14 +380,10 @@ def test_a_frozen_parameter_without_optimizer_state_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("change,message", [(None, r"it has no \['buffers/scale'\]"),
                                              (4, r"other sizes for \['buffers/scale'\]")])
 def test_a_changed_buffer_is_another_model_not_a_damaged_checkpoint(tmp_path, change, message):
-    session = pt.Session("single", progress_bar=False)
-    model = _Scaled(buffer_size=None if change is None else 3)
-    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    session, _, _ = _one_process(_Scaled(buffer_size=None if change is None else 3))
     session.checkpoint(tmp_path)
     session.close()
-    session = pt.Session("single", progress_bar=False)
-    model = _Scaled(buffer_size=3 if change is None else change)
-    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    session, _, _ = _one_process(_Scaled(buffer_size=3 if change is None else change))
     with pytest.raises(pt.ConfigError, match="holds another model or optimizer state: " + message):
         session.resume(tmp_path)
     session.close()
@@ -391,11 +392,9 @@ def test_a_changed_buffer_is_another_model_not_a_damaged_checkpoint(tmp_path, ch
 
 def _accumulating_run(root, load=None, save_at=(), until=8):
     """accumulate=2 over a shuffled loader; saves `root/at-N` after micro-batch N."""
-    session = pt.Session("single", progress_bar=False, accumulate=2)
-    model = make_model("mlp")
     xs, ys = make_batches(1, 96)
-    _, _, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                 DataLoader(TensorDataset(xs[0], ys[0]), batch_size=4, shuffle=True))
+    shuffled = DataLoader(TensorDataset(xs[0], ys[0]), batch_size=4, shuffle=True)
+    session, model, loader = _one_process(accumulate=2, loader=shuffled)
     if load is not None:
         session.load(load)
     while session.micro_step < until:
@@ -422,12 +421,7 @@ def test_a_resumed_run_saving_mid_window_records_the_window_start(tmp_path):
 def test_resuming_with_an_accumulate_that_does_not_divide_the_saved_micro_batch_is_refused(tmp_path):
     """Saved after micro-batch 3 at accumulate=1: resumed at accumulate=2 the first optimizer step
     would take one micro-batch scaled by 1/2 (a half step, silently); 3 divides it and resumes."""
-    sessions = []
-    for accumulate in (1, 2, 3):
-        session = pt.Session("single", progress_bar=False, accumulate=accumulate)
-        model = make_model("mlp")
-        session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        sessions.append(session)
+    sessions = [_one_process(accumulate=accumulate)[0] for accumulate in (1, 2, 3)]
     xs, ys = make_batches(3, 8)
     for x, y in zip(xs, ys):
         sessions[0].train_step((x, y), F.cross_entropy)
@@ -443,9 +437,7 @@ def test_resuming_with_an_accumulate_that_does_not_divide_the_saved_micro_batch_
 def test_resume_warns_when_the_root_holds_checkpoints_under_other_names(tmp_path):
     """session.save(root / "epoch-3") is not what resume(root) looks for (step-*): starting from
     scratch then is said, with the checkpoint to pass."""
-    session = pt.Session("single", progress_bar=False)
-    model = make_model("mlp")
-    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    session, _, _ = _one_process()
     session.save(tmp_path / "epoch-3")
     with pytest.warns(checkpoint.CheckpointWarning, match=r"starts from scratch: .* holds no checkpoint step-\*, "
                                                           r"but epoch-3/ is a checkpoint under another name"):
