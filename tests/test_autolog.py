@@ -88,8 +88,8 @@ def test_logging_needs_a_log_dir_and_known_backends():
 def _custom_or_late(log_dir, custom):
     """One process; `custom`: the README's custom step (accumulation, backward, step); else
     train_step after a 1 s pause between Session() and the first micro-batch."""
-    session = pt.Session("single", progress_bar=False, log_dir=log_dir, logging=pt.Logging(every=EVERY,
-                         backends=()))
+    logging = pt.Logging(every=EVERY, backends=())
+    session = pt.Session("single", progress_bar=False, log_dir=log_dir, logging=logging)
     torch.manual_seed(0)
     model = TokenModel()
     model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
