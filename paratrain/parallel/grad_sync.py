@@ -163,11 +163,9 @@ class GradSync:
             self._settle_unused()
 
     def _refuse_missing(self, missing: list[nn.Parameter]) -> None:
-        names = ", ".join(self.names.get(p, "?") for p in missing[:10])
         advice = ("they were reached from the model's outputs but not from the loss: use every "
                   "output in the loss" if self.find_unused else self.reduction.unused_advice)
-        raise UsageError(f"{len(missing)} parameter(s) got no gradient in this backward: {names}; "
-                         f"{advice}, or remove them from the model (or set requires_grad=False)")
+        raise no_gradient_error([self.names.get(p, "?") for p in missing], advice)
 
     def _settle_unused(self) -> None:
         """A parameter that this rank did not use but another did (in any micro-batch since the
@@ -224,3 +222,9 @@ class GradSync:
         if all(p.grad is None for p in self.params):  # nothing to carry over (zero_grad(set_to_none)):
             self.buckets = None  # free the old layout first, so memory peaks at one layout, not two
         self.buckets = GradBuckets.build(layout, self.reduction, self._scale())
+
+
+def no_gradient_error(names: list[str], advice: str) -> UsageError:
+    """The error for parameters that got no gradient where the wrapper needs one."""
+    return UsageError(f"{len(names)} parameter(s) got no gradient in this backward: {', '.join(names[:10])}; "
+                      f"{advice}, or remove them from the model (or set requires_grad=False)")

@@ -47,6 +47,15 @@ order of its additions. Once per flat per backward (`flushed`): a root whose par
 between many units (LayerNorms between Linear units) is reduced at most twice, not once per
 gap. The reduction is waited for there, before the next unit gathers: one reduce-scatter of the
 flat exposed per step, for one buffer fewer through the rest of backward.
+
+[Note: no gradient]
+A flat is stepped whole, so a parameter that got no gradient would be stepped with a zero one:
+weight decay and momentum would move it, and Adam would count the step, where single-process
+training leaves a parameter whose `.grad` is None alone. So, as under ZeRO stages 1 and 2, a
+parameter must get a gradient on every rank in each step: from any of its uses (a tied weight
+whose other owner is not called is fine), in any backward since the last synchronised one. The
+end of a synchronised backward names the ones that did not (`refuse_unseen`), after this rank's
+reductions, so its collectives stay paired with the other ranks'.
 """
 
 from __future__ import annotations
@@ -58,8 +67,9 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import all_gather_single
-from paratrain.parallel.base import FlatLayout
+from paratrain.parallel.base import FlatLayout, user_key
 from paratrain.parallel.buckets import ReducedSums, padded_numel
+from paratrain.parallel.grad_sync import no_gradient_error
 from paratrain.parallel.zero.collectives import add_into, gather_from_owners, reduce_to_owners
 
 
@@ -101,6 +111,8 @@ class FlatShard:
         _free(self.full)
         self.grad: torch.Tensor | None = None  # the full gradient backward is filling
         self._arrived = 0  # leaves whose gradient this backward has added to `grad`
+        self._slot_of = [i for i, slot in enumerate(slots) for _ in slot.owners]  # each leaf's slot
+        self.seen: set[int] = set()  # slots with a gradient since the last reduction ([Note: no gradient])
         self.flushed = False  # a partial gradient was reduced this backward ([Note: a unit used twice])
         self.gathered = False
         self._gather_work: list[dist.Work] | None = None
@@ -160,7 +172,15 @@ class FlatShard:
             span.copy_(arrived)  # (which accumulates out of place); either way it holds the sum
             leaf.grad = span
         self._arrived += 1
+        self.seen.add(self._slot_of[index])
         return self._arrived == len(self.leaves)
+
+    def take_unseen(self) -> list[str]:
+        """The names of the parameters that got no gradient in any backward since the last
+        synchronised one (none of their uses did); starts the next count ([Note: no gradient])."""
+        unseen = [slot.names[0] for i, slot in enumerate(self.slots) if i not in self.seen]
+        self.seen = set()
+        return unseen
 
     def _can_adopt(self, arrived: torch.Tensor) -> bool:
         """Whether a first gradient can be this flat's gradient buffer as it is: the flat is one
@@ -216,6 +236,7 @@ class FlatShard:
         """Forget a reduction and gradients that a failed backward left behind."""
         self._reduce = None
         self.drop_grad()
+        self.seen = set()
 
     @torch.no_grad()
     def gather_values(self) -> list[torch.Tensor]:
@@ -238,6 +259,16 @@ class FlatShard:
         for name, offset, local, length in layout.pieces(self.rank):
             shard[local:local + length].copy_(by_name[name].detach().reshape(-1)[offset:offset + length])
         return shard
+
+
+def refuse_unseen(flats: list[FlatShard]) -> None:
+    """At the end of a synchronised backward: a clear error naming the parameters that got no
+    gradient since the last one ([Note: no gradient])."""
+    names = [user_key(name) for flat in flats for name in flat.take_unseen()]
+    if names:
+        raise no_gradient_error(names, "ZeRO stage 3 steps whole flat shards: it would apply momentum and "
+                                "weight decay where single-process training skips the parameter; every rank "
+                                "must use it in each step, else use DDP with find_unused_parameters=True")
 
 
 def _span(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:

@@ -42,7 +42,7 @@ from paratrain.optim import clip_grad_norm_over
 from paratrain.precision import cast_floating
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, uncompiled, user_key
 from paratrain.parallel.zero.collectives import OwnerCollectives, reduced_sums_for
-from paratrain.parallel.zero.flat_shard import FlatShard
+from paratrain.parallel.zero.flat_shard import FlatShard, refuse_unseen
 from paratrain.parallel.zero.units import TrainingState, Unit, build_units
 from paratrain.parallel.zero.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
 
@@ -182,16 +182,18 @@ class FullyShardedDataParallel(ParallelModule):
         self._reducing = []
 
     def _finish_backward(self) -> None:
+        sync = self._sync_this_backward
         for unit in self.units:
             for flat in unit.flats:
-                if self._sync_this_backward and flat.grad_pending:  # a parameter had no gradient this time
+                if sync and flat.grad_pending:  # a use had no gradient this time (refused below if all did)
                     flat.start_grad_sync(self.collectives.reduce_scatter)
                 flat.finish_grad_sync(self._sums)
                 flat.reshard()
                 flat.end_backward()
             unit.backward_started = False
-        self._reducing = []
-        self.state = TrainingState.IDLE
+        self._reducing, self.state = [], TrainingState.IDLE
+        if sync:  # [Note: no gradient] in flat_shard.py
+            refuse_unseen([flat for unit in self.units for flat in unit.flats])
 
     def _forget_unfinished_backward(self) -> None:
         """A backward that raised never ran its end-of-backward callback: start clean."""
@@ -232,9 +234,8 @@ class FullyShardedDataParallel(ParallelModule):
         """Drop the gradients: the shards', and full ones accumulated under no_sync()."""
         for shard in self.shards:
             shard.grad = None
-        for unit in self.units:
-            for flat in unit.flats:
-                flat.drop_grad()
+        for flat in (flat for unit in self.units for flat in unit.flats):
+            flat.drop_pending()  # and forget which parameters had a gradient ([Note: no gradient])
 
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         """This rank's slices of the averaged gradients; the others are on the other ranks."""
