@@ -3,6 +3,7 @@
     python bench/session.py [--rounds 200] [--steps 1] [--tiny-steps 50] [--batch 128]
                             [--out bench/results/session.json] [--quick]
     python bench/session.py --no-nan-check --out bench/results/session_no_nan_check.json
+    python bench/session.py --control --out /tmp/control.json    # an A/A run (below)
 
 World 2 on gloo, one thread per rank, ranks started by `paratrain.testing.run_on_ranks`. For
 each model (bench/common.py's MLP of 18.9 M parameters and GPT of 9.7 M, and a tiny MLP
@@ -16,7 +17,8 @@ against `Session(strategy, accumulate=…)` with the same model copy and optimiz
 `session.train_step((x, y), loss_fn)` once per micro-batch, with every check on (nan_check,
 the finite-gradient check, the loss checks; `--no-nan-check` turns them off, to show what they
 cost: one read of the gradients this rank holds per optimizer step and, where they are sharded,
-one all-reduce of a flag). Both sides see the same batches; after `--warmup`
+one all-reduce of a flag; `--control` puts a second plain loop in the session's place, an A/A
+run: what this benchmark reads for two identical loops). Both sides see the same batches; after `--warmup`
 untimed optimizer steps each (10 × as many for the tiny model), `--rounds` interleaved rounds of
 `--steps` optimizer steps each (`--tiny-steps` for the tiny model, whose step is ~2 ms)
 (bench/common.py `time_interleaved`; a step as long as its slowest rank; a round's time the median of its steps),
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import statistics
 import sys
@@ -107,7 +110,12 @@ def _plain(model: nn.Module, strategy: str, accumulate: int):
     return step, wrapped
 
 
-def _session(topo, model: nn.Module, strategy: str, accumulate: int, nan_check: bool = True):
+def _session(topo, model: nn.Module, strategy: str, accumulate: int, nan_check: bool = True,
+             control: bool = False):
+    """(step(x, y), the full state dict's maker); `control`: a second plain loop instead."""
+    if control:
+        step, wrapped = _plain(model, strategy, accumulate)
+        return step, functools.partial(pt.full_state_dict, wrapped)
     session = pt.Session(strategy, accumulate=accumulate, topology=topo, progress_bar=False, nan_check=nan_check)
     wrapped, _ = session.setup(model, _optimizer(model))
 
@@ -116,32 +124,32 @@ def _session(topo, model: nn.Module, strategy: str, accumulate: int, nan_check: 
             loss = session.train_step((xm, ym), _loss)
         return loss
 
-    return step, session
+    return step, session.full_state_dict
 
 
 def speed(topo, name: str, case: str, batch: int, warmup: int, rounds: int, steps: int, nan_check: bool,
-          session_first: bool = False) -> dict:
+          session_first: bool = False, control: bool = False) -> dict:
     """Both loops on deep copies of one model, interleaved; the parameters compared after.
     `session_first`: the session's copy is built first (see ORDERS)."""
     strategy, accumulate = CASES[case]
     model = _model(name)
     if session_first:
-        ours, session = _session(topo, copy.deepcopy(model), strategy, accumulate, nan_check)
+        ours, ours_state = _session(topo, copy.deepcopy(model), strategy, accumulate, nan_check, control)
     plain, wrapped = _plain(copy.deepcopy(model), strategy, accumulate)
     if not session_first:
-        ours, session = _session(topo, copy.deepcopy(model), strategy, accumulate, nan_check)
+        ours, ours_state = _session(topo, copy.deepcopy(model), strategy, accumulate, nan_check, control)
     # one optimizer step takes `accumulate` micro-batches of the per-rank batch
     data = [(torch.cat([x] * accumulate), torch.cat([y] * accumulate))
             for x, y in _batches(name, batch, seed=100 + topo.rank)]
     timed = time_interleaved({"plain": plain, "session": ours}, data, warmup=warmup, rounds=rounds, steps=steps)
-    return dict(**timed, diff=max_param_diff(pt.full_state_dict(wrapped), session.full_state_dict()))
+    return dict(**timed, diff=max_param_diff(pt.full_state_dict(wrapped), ours_state()))
 
 
 def bench_case(name: str, case: str, args) -> dict:
     # a tiny step is ~2 ms: its rounds take --tiny-steps steps, so each lasts about half a second
     steps, warmup = (args.tiny_steps, 10 * args.warmup) if name == "tiny" else (args.steps, args.warmup)
     jobs = [run_on_ranks(speed, WORLD, name, case, args.batch, warmup, max(1, args.rounds // len(ORDERS)), steps,
-                         not args.no_nan_check, session_first, threads=THREADS, timeout=1200, collective_timeout=300)
+                         not args.no_nan_check, session_first, args.control, threads=THREADS, timeout=1200, collective_timeout=300)
             for session_first in ORDERS]
     results = [dict(times={impl: [t for job in ranks for t in job["times"][impl]] for impl in ("plain", "session")},
                     cpu={impl: [t for job in ranks for t in job["cpu"][impl]] for impl in ("plain", "session")},
@@ -173,6 +181,8 @@ def _parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--tiny-steps", type=int, default=50, help="optimizer steps per round for the tiny model")
     parser.add_argument("--no-nan-check", action="store_true",
                         help="the session without its NaN checks (Session(nan_check=False)): what they cost")
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A run: a second plain loop in the session's place (the benchmark's own bias)")
     return parse_bench_args(parser, argv, quick=dict(rounds=2, steps=2, tiny_steps=5, warmup=1, batch=SEQ))
 
 
@@ -200,7 +210,8 @@ def main(argv=None) -> None:
     settings = dict(world=WORLD, backend="gloo", rounds=args.rounds, steps=args.steps, warmup=args.warmup,
                     tiny_steps=args.tiny_steps, tiny_warmup=10 * args.warmup,
                     batch_per_rank=args.batch, tiny_batch_per_rank=TINY_BATCH, threads_per_rank=THREADS,
-                    optimizer=f"SGD(lr={LR}, momentum=0.9)", nan_check=not args.no_nan_check)
+                    optimizer=f"SGD(lr={LR}, momentum=0.9)", nan_check=not args.no_nan_check,
+                    control=args.control)
     _report(rows)
     write_results(args, settings, load_before, ranks=WORLD, results=rows)
 
