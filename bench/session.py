@@ -4,6 +4,7 @@
                             [--out bench/results/session.json] [--quick]
     python bench/session.py --no-nan-check --out bench/results/session_no_nan_check.json
     python bench/session.py --control --out /tmp/control.json    # an A/A run (below)
+    python bench/session.py --keep-freed-blocks --out /tmp/keep.json   # ranks as `paratrain run` starts them
 
 World 2 on gloo, one thread per rank, ranks started by `paratrain.testing.run_on_ranks`. For
 each model (bench/common.py's MLP of 18.9 M parameters and GPT of 9.7 M, and a tiny MLP
@@ -18,7 +19,9 @@ against `Session(strategy, accumulate=…)` with the same model copy and optimiz
 the finite-gradient check, the loss checks; `--no-nan-check` turns them off, to show what they
 cost: one read of the gradients this rank holds per optimizer step and, where they are sharded,
 one all-reduce of a flag; `--control` puts a second plain loop in the session's place, an A/A
-run: what this benchmark reads for two identical loops). Both sides see the same batches; after `--warmup`
+run: what this benchmark reads for two identical loops; `--keep-freed-blocks`: each rank keeps
+freed large blocks for the next step, as `paratrain run` starts ranks, paratrain/cpu_malloc.py).
+Both sides see the same batches; after `--warmup`
 untimed optimizer steps each (10 × as many for the tiny model), `--rounds` interleaved rounds of
 `--steps` optimizer steps each (`--tiny-steps` for the tiny model, whose step is ~2 ms)
 (bench/common.py `time_interleaved`; a step as long as its slowest rank; a round's time the median of its steps),
@@ -51,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for
 import paratrain as pt  # noqa: E402
 from common import (MODELS, SEQ, bench_parser, load_at_start, loss_of, make_batches, parse_bench_args,  # noqa: E402
                     print_table, summarize_times, time_interleaved, write_results)
+from paratrain.cpu_malloc import keep_freed_blocks  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, THREADS, LR, DATA_BATCHES = 2, 1, 1e-3, 4
@@ -128,9 +132,11 @@ def _session(topo, model: nn.Module, strategy: str, accumulate: int, nan_check: 
 
 
 def speed(topo, name: str, case: str, batch: int, warmup: int, rounds: int, steps: int, nan_check: bool,
-          session_first: bool = False, control: bool = False) -> dict:
+          session_first: bool = False, control: bool = False, keep_blocks: bool = False) -> dict:
     """Both loops on deep copies of one model, interleaved; the parameters compared after.
     `session_first`: the session's copy is built first (see ORDERS)."""
+    if keep_blocks and not keep_freed_blocks():
+        raise RuntimeError("mallopt refused to raise the mmap threshold (--keep-freed-blocks)")
     strategy, accumulate = CASES[case]
     model = _model(name)
     if session_first:
@@ -149,7 +155,8 @@ def bench_case(name: str, case: str, args) -> dict:
     # a tiny step is ~2 ms: its rounds take --tiny-steps steps, so each lasts about half a second
     steps, warmup = (args.tiny_steps, 10 * args.warmup) if name == "tiny" else (args.steps, args.warmup)
     jobs = [run_on_ranks(speed, WORLD, name, case, args.batch, warmup, max(1, args.rounds // len(ORDERS)), steps,
-                         not args.no_nan_check, session_first, args.control, threads=THREADS, timeout=1200, collective_timeout=300)
+                         not args.no_nan_check, session_first, args.control, args.keep_freed_blocks,
+                         threads=THREADS, timeout=1200, collective_timeout=300)
             for session_first in ORDERS]
     results = [dict(times={impl: [t for job in ranks for t in job["times"][impl]] for impl in ("plain", "session")},
                     cpu={impl: [t for job in ranks for t in job["cpu"][impl]] for impl in ("plain", "session")},
@@ -183,6 +190,8 @@ def _parse_args(argv) -> argparse.Namespace:
                         help="the session without its NaN checks (Session(nan_check=False)): what they cost")
     parser.add_argument("--control", action="store_true",
                         help="an A/A run: a second plain loop in the session's place (the benchmark's own bias)")
+    parser.add_argument("--keep-freed-blocks", action="store_true",
+                        help="each rank keeps freed large blocks for the next step, as paratrain run starts ranks")
     return parse_bench_args(parser, argv, quick=dict(rounds=2, steps=2, tiny_steps=5, warmup=1, batch=SEQ))
 
 
@@ -211,7 +220,7 @@ def main(argv=None) -> None:
                     tiny_steps=args.tiny_steps, tiny_warmup=10 * args.warmup,
                     batch_per_rank=args.batch, tiny_batch_per_rank=TINY_BATCH, threads_per_rank=THREADS,
                     optimizer=f"SGD(lr={LR}, momentum=0.9)", nan_check=not args.no_nan_check,
-                    control=args.control)
+                    control=args.control, keep_freed_blocks=args.keep_freed_blocks)
     _report(rows)
     write_results(args, settings, load_before, ranks=WORLD, results=rows)
 
