@@ -104,7 +104,7 @@ class _Detour(torch.nn.Module):
         return self.net(x) + self.extra(x) if self.detour else self.net(x)
 
 
-def _detour_training(pieces_of, model, opt, accumulate, no_sync=lambda: contextlib.nullcontext()):
+def _detour_training(pieces_of, model, opt, accumulate, no_sync=contextlib.nullcontext):
     """Three AdamW steps; each step's first micro-batch takes the detour, the others do not.
     `pieces_of(x, y)`: this process's (x, y) pieces of a step's global batch."""
     xs, ys = make_batches(3, 12)

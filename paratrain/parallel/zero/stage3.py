@@ -81,7 +81,8 @@ class FullyShardedDataParallel(ParallelModule):
         self.units, self.shard_groups = build_units(
             module, wrap_policy.select(module), group_of, self._materialize, group=process_group, rank=self.rank,
             world=self.world, param_dtype=param_dtype, offload=offload, all_gather=self.collectives.all_gather)
-        self.shards = nn.ParameterList([f.shard for u in self.units for f in u.flats])
+        self.flats = [f for u in self.units for f in u.flats]  # every unit's, in unit order
+        self.shards = nn.ParameterList([f.shard for f in self.flats])
         self.state, self.peak_gathered_bytes = TrainingState.IDLE, 0
         self._sync_this_backward = True  # decided by the forward that built the graph
         self._reducing: list[FlatShard] = []  # the gradient reduction in flight
@@ -193,7 +194,7 @@ class FullyShardedDataParallel(ParallelModule):
             unit.backward_started = False
         self._reducing, self.state = [], TrainingState.IDLE
         if sync:  # [Note: no gradient] in flat_shard.py
-            refuse_unseen([flat for unit in self.units for flat in unit.flats])
+            refuse_unseen(self.flats)
 
     def _forget_unfinished_backward(self) -> None:
         """A backward that raised never ran its end-of-backward callback: start clean."""
@@ -225,7 +226,7 @@ class FullyShardedDataParallel(ParallelModule):
             self._note_gathered()
 
     def _note_gathered(self) -> None:
-        now = sum(f.full_bytes for u in self.units for f in u.flats if f.full.untyped_storage().size())
+        now = sum(f.full_bytes for f in self.flats if f.full.untyped_storage().size())
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
 
     # -- accumulation and state ---------------------------------------------------------------------
@@ -234,7 +235,7 @@ class FullyShardedDataParallel(ParallelModule):
         """Drop the gradients: the shards', and full ones accumulated under no_sync()."""
         for shard in self.shards:
             shard.grad = None
-        for flat in (flat for unit in self.units for flat in unit.flats):
+        for flat in self.flats:
             flat.drop_pending()  # and forget which parameters had a gradient ([Note: no gradient])
 
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
@@ -242,8 +243,8 @@ class FullyShardedDataParallel(ParallelModule):
         return [s.grad for s in self.shards if s.grad is not None], self.process_group or dist.group.WORLD
 
     def watch_reductions(self) -> None:
-        padded = sum(f.padded for u in self.units for f in u.flats)
-        self._sums = reduced_sums_for(padded, self.collectives.reduce_scatter, self.process_group)
+        self._sums = reduced_sums_for(sum(f.padded for f in self.flats), self.collectives.reduce_scatter,
+                                      self.process_group)
 
     def reduced_finite(self) -> torch.Tensor | None:
         return self._sums.take() if self._sums is not None else None
@@ -284,11 +285,10 @@ class FullyShardedDataParallel(ParallelModule):
         holds); frozen parameters, which are not sharded, and buffers are whole."""
         flat = {f.shard: FlatLayout(tuple((user_key(s.names[0]), s.offset, s.shape) for s in f.slots),
                                     f.padded // self.world, self.rank, self.world)
-                for u in self.units for f in u.flats}
+                for f in self.flats}
         whole = CheckpointLayout.whole(self.module)  # frozen parameters and buffers
         shapes = {n: s for layout in flat.values() for n, _, s in layout.slots}
-        tied = {user_key(n): user_key(s.names[0]) for u in self.units for f in u.flats for s in f.slots
-                for n in s.names[1:]}
+        tied = {user_key(n): user_key(s.names[0]) for f in self.flats for s in f.slots for n in s.names[1:]}
         return CheckpointLayout(whole.params, flat, True, whole.buffers, {**shapes, **whole.shapes},
                                 {**tied, **whole.aliases}, whole.persistent)
 
