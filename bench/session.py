@@ -4,7 +4,7 @@
                             [--out bench/results/session.json] [--quick]
     python bench/session.py --no-nan-check --out bench/results/session_no_nan_check.json
     python bench/session.py --control --out /tmp/control.json    # an A/A run (below)
-    python bench/session.py --keep-freed-blocks --out /tmp/keep.json   # ranks as `paratrain run` starts them
+    python bench/session.py --glibc-malloc --out /tmp/glibc.json     # ranks with glibc's default malloc
 
 World 2 on gloo, one thread per rank, ranks started by `paratrain.testing.run_on_ranks`. For
 each model (bench/common.py's MLP of 18.9 M parameters and GPT of 9.7 M, and a tiny MLP
@@ -19,8 +19,11 @@ against `Session(strategy, accumulate=…)` with the same model copy and optimiz
 the finite-gradient check, the loss checks; `--no-nan-check` turns them off, to show what they
 cost: one read of the gradients this rank holds per optimizer step and, where they are sharded,
 one all-reduce of a flag; `--control` puts a second plain loop in the session's place, an A/A
-run: what this benchmark reads for two identical loops; `--keep-freed-blocks`: each rank keeps
-freed large blocks for the next step, as `paratrain run` starts ranks, paratrain/cpu_malloc.py).
+run: what this benchmark reads for two identical loops). Each rank keeps freed large blocks for
+the next step, as `paratrain run` starts ranks (paratrain/cpu_malloc.py), both loops alike;
+`--glibc-malloc` leaves glibc's default mmap threshold instead, under which ZeRO-3's session
+read 1-2 % dearer than its plain loop with every check off and with equal thread CPU time
+(README, "`Session.train_step` against the plain loop it replaces").
 Both sides see the same batches; after `--warmup`
 untimed optimizer steps each (10 × as many for the tiny model), `--rounds` interleaved rounds of
 `--steps` optimizer steps each (`--tiny-steps` for the tiny model, whose step is ~2 ms)
@@ -136,7 +139,7 @@ def speed(topo, name: str, case: str, batch: int, warmup: int, rounds: int, step
     """Both loops on deep copies of one model, interleaved; the parameters compared after.
     `session_first`: the session's copy is built first (see ORDERS)."""
     if keep_blocks and not keep_freed_blocks():
-        raise RuntimeError("mallopt refused to raise the mmap threshold (--keep-freed-blocks)")
+        raise RuntimeError("mallopt refused to raise the mmap threshold (run with --glibc-malloc to go without)")
     strategy, accumulate = CASES[case]
     model = _model(name)
     if session_first:
@@ -190,8 +193,8 @@ def _parse_args(argv) -> argparse.Namespace:
                         help="the session without its NaN checks (Session(nan_check=False)): what they cost")
     parser.add_argument("--control", action="store_true",
                         help="an A/A run: a second plain loop in the session's place (the benchmark's own bias)")
-    parser.add_argument("--keep-freed-blocks", action="store_true",
-                        help="each rank keeps freed large blocks for the next step, as paratrain run starts ranks")
+    parser.add_argument("--glibc-malloc", dest="keep_freed_blocks", action="store_false",
+                        help="glibc's default mmap threshold in each rank, not the kept blocks paratrain run sets")
     return parse_bench_args(parser, argv, quick=dict(rounds=2, steps=2, tiny_steps=5, warmup=1, batch=SEQ))
 
 
