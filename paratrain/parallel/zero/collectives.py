@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm import all_gather_single, global_rank, reduce_scatter_single
+from paratrain.errors import UsageError
 from paratrain.parallel.buckets import ReducedSums
 
 
@@ -88,3 +89,31 @@ def add_into(held: torch.Tensor | None, new: torch.Tensor, like: torch.Tensor | 
     like = held if held is not None else like if like is not None else new
     new = new.to(like.device, like.dtype, copy=held is None)
     return new if held is None else held.add_(new)
+
+
+# [Note: the same unit on every rank]
+# ZeRO-3's gathers pair up across ranks by their order alone. Where ranks gather different units
+# at the same point (a branch that depends on the data runs a wrapped module on some ranks only,
+# or two of them in another order), one rank's gather of unit A fills the other's unit B: of
+# different sizes, the collectives mismatch (a gloo error or a hang); of the same size, the
+# forward runs on another unit's values and nothing fails. Under debug_collectives
+# (TORCH_DISTRIBUTED_DEBUG=DETAIL), each gather first all-gathers the index of the flat every
+# rank is about to gather, and every rank raises where they differ, naming what each gathers:
+# one all-gather of an int64 more per gather, in a mode that fingerprints every collective
+# anyway (torch's FSDP, at that level, compares the ranks' gathers in the first iteration only:
+# _exec_order_utils.py). Off, it costs nothing, and the no-gradient check at the end of backward
+# ([Note: no gradient] in flat_shard.py) still catches a unit that a rank never ran.
+
+
+def refuse_other_gathers(index: int, labels: list[str], group=None, device=None) -> None:
+    """Raise on every rank of `group` unless each is about to gather flat `index` (of `labels`,
+    every flat's name, the same on every rank): [Note: the same unit on every rank]."""
+    mine = torch.tensor([index], dtype=torch.int64, device=device)
+    every = mine.new_empty(dist.get_world_size(group))
+    all_gather_single(every, mine, group=group)
+    if (every != index).any():
+        what = "; ".join(f"rank {global_rank(group, r)} {labels[i]}" for r, i in enumerate(every.tolist()))
+        raise UsageError(f"ZeRO stage 3: the ranks are gathering different units at the same point ({what}). "
+                         "Every rank must run the same wrapped modules in the same order in each forward "
+                         "and backward; a module that only some ranks run (a branch on the data) cannot be a "
+                         "unit of its own: leave it out of the wrap policy, so that its parent unit holds it")

@@ -115,6 +115,7 @@ class FlatShard:
         self.seen: set[int] = set()  # slots with a gradient since the last reduction ([Note: no gradient])
         self.flushed = False  # a partial gradient was reduced this backward ([Note: a unit used twice])
         self.gathered = False
+        self.gather_check = None  # in debug: collectives.refuse_other_gathers, before each gather
         self._gather_work: list[dist.Work] | None = None
         self._reduce: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None  # (work, slice, buffer)
 
@@ -125,6 +126,8 @@ class FlatShard:
     def start_unshard(self) -> None:
         if self.gathered or self._gather_work is not None:
             return
+        if self.gather_check is not None:  # [Note: the same unit on every rank] in collectives.py
+            self.gather_check()
         _alloc(self.full)
         self._gather_work = gather_from_owners(self.full.data, self.shard.detach(), self.group,
                                                rank=self.rank, world=self.world, all_gather=self.all_gather)

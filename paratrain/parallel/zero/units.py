@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.errors import UsageError
+from paratrain.parallel.zero.collectives import refuse_other_gathers
 from paratrain.parallel.zero.flat_shard import FlatShard, ParamSlot
 from paratrain.parallel.zero.wrap_policy import enclosing_modules
 
@@ -112,6 +114,11 @@ def build_units(module: nn.Module, names: list[str], group_of: dict[nn.Parameter
         materialize(name, unit_module, params)
         units.append(Unit(name, unit_module, [flatten(members, owners, **flat_options) for members in flats[name]]))
         groups += [group_of[members[0]] for members in flats[name]]
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL:  # [Note: the same unit on every rank]
+        labels = [(f"unit {u.name!r}" if u.name else "the root unit") + (f" flat {k}" if len(u.flats) > 1 else "")
+                  for u in units for k in range(len(u.flats))]
+        for index, flat in enumerate(f for u in units for f in u.flats):
+            flat.gather_check = functools.partial(refuse_other_gathers, index, labels, flat.group, flat.full.device)
     return units, groups
 
 
