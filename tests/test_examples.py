@@ -135,6 +135,7 @@ def test_readme_session_table_is_consistent_with_bench_json():
     assert not bench["settings"]["quick"] and not off["settings"]["quick"]
     assert bench["settings"].get("nan_check", True) and off["settings"]["nan_check"] is False
     assert not bench["settings"].get("control") and not off["settings"].get("control")  # not an A/A run
+    assert bench["settings"]["keep_freed_blocks"] and off["settings"]["keep_freed_blocks"]  # as the README says
     labels = {"tiny": "tiny MLP", "mlp": "MLP 18.9 M", "transformer": "small GPT 9.7 M"}
     for r in bench["results"]:
         o = next(x for x in off["results"] if (x["model"], x["case"]) == (r["model"], r["case"]))
