@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint_files import (ADVICE, MARKER, CheckpointWarning, DamagedCheckpoint, agree,
-                                        all_gather, describe_failure, digest, file_problem, next_sequence,
-                                        os_cause, rank, read_marker, world, write_marker)
+                                        all_gather, describe_failure, digest, file_problem, listed_files,
+                                        next_sequence, os_cause, rank, read_marker, world, write_marker)
 from paratrain.checkpoint_lock import check_not_locked, lock_root, unlock_roots
 from paratrain.checkpoint_root import latest, prune, resume
 from paratrain.errors import CheckpointError, ConfigError
@@ -156,7 +156,7 @@ def verify(path: str | os.PathLike) -> None:
     """Check every file of checkpoint `path` against the sizes and sha256 its save recorded, each
     rank reading a share of the files. A collective: every rank raises the same DamagedCheckpoint."""
     path = Path(path)
-    files = agree(lambda: read_marker(path)).get("files", {})  # none: saved before checksums
+    files = agree(lambda: listed_files(path))  # {}: saved before checksums
     names = sorted(files)[rank()::world()]
     found = all_gather([p for p in (file_problem(path, n, files[n]) for n in names) if p])
     found = sorted(p for mine in found for p in mine)

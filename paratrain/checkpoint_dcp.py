@@ -18,7 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from paratrain.checkpoint_files import ADVICE, DamagedCheckpoint, FileError, describe_failure, os_cause
+from paratrain.checkpoint_files import (ADVICE, DamagedCheckpoint, FileError, describe_failure, listed_files,
+                                        os_cause, own_file)
 from paratrain.errors import ConfigError, ParatrainError, UsageError
 
 # What a file's own state causes, read or written; anything else (a planner's assertion) is not its fault.
@@ -83,6 +84,9 @@ class SafeReader(dcp.FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
+        listed = listed_files(Path(self.path)) or None  # None: saved before checksums, no list
+        for index, info in metadata.storage_data.items():
+            own_file(Path(self.path), info.relative_path, listed, f"where {index.fqn!r} is stored")
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from paratrain.errors import CheckpointError, ConfigError, ParatrainError
+from paratrain.errors import CheckpointError, ConfigError, ParatrainError, UsageError
 
 MARKER = "paratrain.json"  # written last: a directory without it is not a checkpoint
 _CHUNK = 8 << 20  # bytes per read when hashing: large reads keep sha256 near memory speed
@@ -101,6 +101,37 @@ def next_sequence(root: Path) -> int:
     return 1 + max((s for s, _, _ in map(_order, complete(root)) if s != math.inf), default=0)
 
 
+# -- a checkpoint reads only its own files --------------------------------------------------
+
+
+def listed_files(ckpt: Path) -> dict:
+    """The files `ckpt`'s marker lists ({name: {"bytes", "sha256"}}; {} for a checkpoint saved
+    before checksums), each checked to be a file of `ckpt` itself (see own_file)."""
+    files = read_marker(ckpt).get("files", {})
+    for name in files:
+        own_file(ckpt, name, None, "a file its paratrain.json lists")
+    return files
+
+
+def own_file(ckpt: Path, name: str, listed: dict | None, what: str) -> Path:
+    """`ckpt / name`, refused with a UsageError where `name` is absolute, leads out of `ckpt` (after
+    `..` and symlinks are resolved), or is not among the `listed` files (None: no list to check,
+    as for a checkpoint saved before checksums). Checksums catch damage, not an attacker, who
+    rewrites them too: without this a hand-made `.metadata` could point a tensor at any file the
+    job can read, and resume, `paratrain ckpt info` and `export` would read it into the model."""
+    path = ckpt / name
+    if Path(name).is_absolute():
+        reason = "it is an absolute path"
+    elif not path.resolve().is_relative_to(ckpt.resolve()):
+        reason = "it leads out of the checkpoint's directory"
+    elif listed is not None and name not in listed:
+        reason = f"the checkpoint's {MARKER} does not list it"
+    else:
+        return path
+    raise UsageError(f"refusing to read {name!r}, {what} of checkpoint {ckpt}: {reason}. A checkpoint "
+                     "reads only its own files; this one was changed after it was written: do not load it")
+
+
 # -- checksums ---------------------------------------------------------------------------------
 
 
@@ -136,7 +167,7 @@ def file_problem(ckpt: Path, name: str, recorded: dict, checksum: bool = True) -
 def problems(ckpt: Path, checksum: bool) -> list[str]:
     """Everything wrong with `ckpt`'s files, checked by this process alone."""
     try:
-        files = read_marker(ckpt).get("files", {})
+        files = listed_files(ckpt)
     except DamagedCheckpoint as e:
         return [str(e)]
     found = (file_problem(ckpt, name, files[name], checksum) for name in sorted(files))

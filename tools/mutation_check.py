@@ -372,6 +372,11 @@ MUTANTS = [
            (("    session.step_boundary = position(session) if session.accumulate > 1 else None",
              "    session.step_boundary = None"),),
            ("tests/test_checkpoint_safety.py::test_a_resumed_run_saving_mid_window_records_the_window_start",)),
+    # a checkpoint reads only its own files (checkpoint_files.own_file)
+    Mutant("checkpoint-reads-outside", "a checkpoint's metadata may point a tensor at any file the job can read",
+           "paratrain/checkpoint_files.py",
+           (("    path = ckpt / name\n", "    path = ckpt / name\n    return path\n"),),
+           ("tests/test_checkpoint_traversal.py",)),
 ]
 
 
