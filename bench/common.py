@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.cpu_malloc import set_thresholds
+from paratrain.launch.cpu_malloc import set_thresholds
 
 SEQ = 64  # tokens per transformer sequence
 VOCAB = 8192
@@ -211,7 +211,7 @@ def _has_storage(t: torch.Tensor) -> bool:
 # mmapped block freed (up to 32 MiB), so after torch has freed a few tensors, freed gradients and
 # activations stay in the heap: RSS then neither falls nor shows what is live. Fixing the
 # threshold (which also stops it moving) makes RSS follow the live tensors: the opposite of what
-# paratrain run sets for training (paratrain/cpu_malloc.py), with the same mallopt.
+# paratrain run sets for training (paratrain/launch/cpu_malloc.py), with the same mallopt.
 
 
 def return_freed_memory_to_os(threshold: int = 64 * 1024) -> None:

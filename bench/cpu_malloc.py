@@ -1,4 +1,4 @@
-"""Benchmark: what keeping freed large blocks (paratrain/cpu_malloc.py, set by `paratrain run`)
+"""Benchmark: what keeping freed large blocks (paratrain/launch/cpu_malloc.py, set by `paratrain run`)
 does to a CPU rank's step, against glibc's default.
 
     python bench/cpu_malloc.py [--rounds 3] [--steps 6] [--warmup 3] [--out bench/results/cpu_malloc.json]
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
 import paratrain as pt  # noqa: E402
 from common import add_force, load_at_start, make_batches, make_model, print_table, write_results  # noqa: E402
-from paratrain.cpu_malloc import keep_freed_blocks  # noqa: E402
+from paratrain.launch.cpu_malloc import keep_freed_blocks  # noqa: E402
 from paratrain.testing import run_on_ranks  # noqa: E402
 
 STRATEGIES, MODES, ADAM_ELEMENTS = ("ddp", "zero1", "zero2", "zero3"), ("default", "keep"), 2**24

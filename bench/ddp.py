@@ -67,7 +67,7 @@ from common import (MODELS, SEQ, bench_parser, parse_bench_args, loss_of, make_b
                     reset_peak_rss, return_freed_memory_to_os, rss_mb, summarize_times,
                     slowest_rank, time_interleaved, train_step,
                     load_at_start, write_results)
-from paratrain import flight_hooks  # noqa: E402
+from paratrain.debug import flight_hooks  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, THREADS, LR, MEMORY_STEPS, DATA_BATCHES = 2, 1, 1e-3, 3, 4

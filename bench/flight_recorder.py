@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_force, load_at_start, make_batches, make_model, train_step, write_results  # noqa: E402
 
 import paratrain as pt  # noqa: E402
-from paratrain import flight_hooks  # noqa: E402
-from paratrain.flight_recorder import RECORDER  # noqa: E402
+from paratrain.debug import flight_hooks  # noqa: E402
+from paratrain.debug.flight_recorder import RECORDER  # noqa: E402
 from paratrain.testing import run_on_ranks  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -69,8 +69,8 @@ class GPT:
 
     def flops(self, batch: int) -> float:
         """Narayanan et al., Eq. (3): one step's FLOPs with activation recomputation."""
-        b, s, l, h, v = batch, self.seq, self.layers, self.hidden, self.vocab
-        return 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+        b, s, layers, h, v = batch, self.seq, self.layers, self.hidden, self.vocab
+        return 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ the finite-gradient check, the loss checks; `--no-nan-check` turns them off, to 
 cost: one read of the gradients this rank holds per optimizer step and, where they are sharded,
 one all-reduce of a flag; `--control` puts a second plain loop in the session's place, an A/A
 run: what this benchmark reads for two identical loops). Each rank keeps freed large blocks for
-the next step, as `paratrain run` starts ranks (paratrain/cpu_malloc.py), both loops alike;
+the next step, as `paratrain run` starts ranks (paratrain/launch/cpu_malloc.py), both loops alike;
 `--glibc-malloc` leaves glibc's default mmap threshold instead, under which ZeRO-3's session
 read 1-2 % dearer than its plain loop with every check off and with equal thread CPU time
 (README, "`Session.train_step` against the plain loop it replaces").
@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for
 import paratrain as pt  # noqa: E402
 from common import (MODELS, SEQ, bench_parser, load_at_start, loss_of, make_batches, parse_bench_args,  # noqa: E402
                     print_table, summarize_times, time_interleaved, write_results)
-from paratrain.cpu_malloc import keep_freed_blocks  # noqa: E402
+from paratrain.launch.cpu_malloc import keep_freed_blocks  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, THREADS, LR, DATA_BATCHES = 2, 1, 1e-3, 4

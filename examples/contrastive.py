@@ -7,7 +7,7 @@ SimCLR (Chen et al. 2020): two random augmentations of each image go through one
 projection head; the NT-Xent loss pulls the two views of an image together and pushes it away
 from the other images of the batch (its negatives). With `--negatives local` each rank's loss
 sees only its own share of the batch; with `global` the embeddings of all ranks are gathered
-with gradients (`paratrain.contrastive.gather_embeddings`), so training equals one process on
+with gradients (`paratrain.components.contrastive.gather_embeddings`), so training equals one process on
 the whole batch. Labels are used only at the end, by a linear probe: a logistic regression on
 the frozen encoder's features (train split), scored on the test split. Rank 0 prints
 `linear-probe accuracy (<setting>): …` for each setting, and the same probe on a randomly
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import paratrain as pt
-from paratrain.contrastive import gather_embeddings, nt_xent_loss
+from paratrain.components.contrastive import gather_embeddings, nt_xent_loss
 
 from digits import digits  # examples/digits.py: the same train/test split
 

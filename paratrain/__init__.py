@@ -7,16 +7,16 @@
         loss = session.train_step(batch, loss_fn)
 """
 
-from paratrain import worker
+from paratrain.launch import worker
 
 worker.attach()  # first, before torch loads: under `paratrain run`, die with the launcher, leave notes
 
-from paratrain.activation_checkpointing import checkpoint_activations  # noqa: E402
-from paratrain.autolog import Logging  # noqa: E402
-from paratrain.comm import all_gather_with_grad, broadcast_object  # noqa: E402
-from paratrain.metrics import mean_metrics  # noqa: E402
-from paratrain.contrastive import Gathered, gather_embeddings, nt_xent_loss
-from paratrain.data import DistributedSampler, partition
+from paratrain.components.activation_checkpointing import checkpoint_activations  # noqa: E402
+from paratrain.session.autolog import Logging  # noqa: E402
+from paratrain.distributed.comm import all_gather_with_grad, broadcast_object  # noqa: E402
+from paratrain.components.metrics import mean_metrics  # noqa: E402
+from paratrain.components.contrastive import Gathered, gather_embeddings, nt_xent_loss
+from paratrain.data.sampler import DistributedSampler, partition
 from paratrain.errors import (
     CheckpointError,
     CommError,
@@ -24,9 +24,9 @@ from paratrain.errors import (
     ParatrainError,
     UsageError,
 )
-from paratrain.grid import NodeGroups, ProcessGrid, node_groups
-from paratrain.materialize import materialize
-from paratrain.metrics import MetricsLogger
+from paratrain.distributed.grid import NodeGroups, ProcessGrid, node_groups
+from paratrain.components.materialize import materialize
+from paratrain.components.metrics import MetricsLogger
 from paratrain.parallel.base import ParallelModule, Strategy, full_state_dict
 from paratrain.parallel.ddp import DDP, DistributedDataParallel
 from paratrain.parallel.dp import DP, DataParallel
@@ -35,16 +35,16 @@ from paratrain.parallel.model_parallel import LayersOnDevices, ModelParallel
 from paratrain.parallel.pipeline import Cut, Pipeline, PipelineStage
 from paratrain.parallel.single import Single
 from paratrain.parallel.zero import WrapPolicy, ZeRO, shard
-from paratrain.precision import GradScaler
-from paratrain.ring import ring_all_reduce
-from paratrain.session import Session
-from paratrain.step_watch import StepWarning, StepWarnings
-from paratrain.topology import Topology, destroy
-from paratrain.weights import load_weights
+from paratrain.components.precision import GradScaler
+from paratrain.distributed.ring import ring_all_reduce
+from paratrain.session.session import Session
+from paratrain.session.watch import StepWarning, StepWarnings
+from paratrain.distributed.topology import Topology, destroy
+from paratrain.checkpoint.weights import load_weights
 
-from paratrain import flight_hooks  # noqa: E402
+from paratrain.debug import flight_hooks  # noqa: E402
 
-flight_hooks.install()  # every rank records its last collectives (flight_recorder.py; PARATRAIN_FLIGHT_RECORDER=0: off)
+flight_hooks.install()  # every rank records its last collectives (debug/flight_recorder.py; PARATRAIN_FLIGHT_RECORDER=0: off)
 
 __version__ = "0.1.0"
 

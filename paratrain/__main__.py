@@ -1,6 +1,6 @@
 """`python -m paratrain …` is `paratrain …`."""
 
-from paratrain.cli import main
+from paratrain.cli.main import main
 
 if __name__ == "__main__":
     main()

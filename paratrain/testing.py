@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from paratrain.errors import ParatrainError
-from paratrain.topology import Topology, destroy, free_port
+from paratrain.distributed.topology import Topology, destroy, free_port
 
 
 class RankFailure(ParatrainError, RuntimeError):

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py, when run as a script
 import paratrain as pt  # noqa: E402
 from models import make_batches, make_model, make_optimizer, reference, train_on_rank  # noqa: E402
-from paratrain.comm import ByteCounter  # noqa: E402
-from paratrain.ring import ring_all_reduce  # noqa: E402
+from paratrain.distributed.comm import ByteCounter  # noqa: E402
+from paratrain.distributed.ring import ring_all_reduce  # noqa: E402
 from paratrain.parallel.hierarchical import HierarchicalDataParallel  # noqa: E402
 
 STEPS, GLOBAL_BATCH = 3, 16

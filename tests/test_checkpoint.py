@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
 from paratrain import checkpoint
-from paratrain.checkpoint_files import digest
+from paratrain.checkpoint.files import digest
 from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
 from models import make_batches, make_model
 from pipeline_models import chain
@@ -177,7 +178,7 @@ def _checkpoints(topo, root):
         _train(session, 1)
         paths.append(session.checkpoint(root, keep=2).name)
     session.close()  # releases the root's lock
-    return paths, sorted(p.name for p in checkpoint.Path(root).iterdir())
+    return paths, sorted(p.name for p in Path(root).iterdir())
 
 
 def test_keeps_the_newest_k(tmp_path):
@@ -206,7 +207,7 @@ def _crash_during_save(topo, root):
         torch.distributed.checkpoint.FileSystemWriter.finish = original
     fresh = _session(topo, "zero3-units")
     assert fresh.resume(root)
-    return good.name, checkpoint.latest(root).name, sorted(p.name for p in checkpoint.Path(root).iterdir())
+    return good.name, checkpoint.latest(root).name, sorted(p.name for p in Path(root).iterdir())
 
 
 def test_a_save_interrupted_midway_leaves_the_previous_checkpoint_loadable(tmp_path):

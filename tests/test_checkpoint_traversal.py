@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import paratrain as pt
-from paratrain.checkpoint_files import digest
+from paratrain.checkpoint.files import digest
 from models import make_batches, make_model
 
 ROOT = Path(__file__).resolve().parents[1]

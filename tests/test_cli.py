@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain import cli, launch
-from paratrain.topology import free_port
+from paratrain.cli import main as cli
+
+from paratrain.launch import run as launch
+from paratrain.distributed.topology import free_port
 
 # One worker script for every job; the mode (second argument) picks how it behaves. Each rank
 # writes its pid first, so a test can check afterwards that no worker outlived the job.
@@ -169,7 +171,7 @@ def test_only_processes_paratrain_started_leave_their_imports_out_of_collection(
     plain = subprocess.run([sys.executable, "-c", f"import paratrain; {frozen}"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)
     assert plain.stdout.split() == ["0"], plain.stderr[-2000:]
-    command = subprocess.run([sys.executable, "-c", "import sys; from paratrain import cli; "
+    command = subprocess.run([sys.executable, "-c", "import sys; from paratrain.cli import main as cli; "
                               f"sys.argv = ['paratrain', 'env']; cli.main(); {frozen}"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert int(command.stdout.split()[-1]) > 10000, command.stdout + command.stderr[-2000:]
@@ -308,7 +310,7 @@ def test_a_signal_exits_0_only_when_every_rank_checkpointed_on_it(capsys):
     whole path is tests/test_preemption.py's), else 128 + the signal, as a shell reports it."""
     import signal
 
-    from paratrain.launch import _stopped_by
+    from paratrain.launch.run import _stopped_by
 
     assert _stopped_by(signal.SIGTERM, {}, 2) == 143
     assert _stopped_by(signal.SIGTERM, {0: "ckpt/step-00000006"}, 2) == 143  # rank 1 was killed

@@ -1,4 +1,4 @@
-"""paratrain.comm on real gloo ranks: the helpers against values derived from rank numbers, the
+"""paratrain.distributed.comm on real gloo ranks: the helpers against values derived from rank numbers, the
 ring all-reduce against dist.all_reduce, and the differentiable all-gather against one process."""
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from paratrain import comm
+from paratrain.distributed import comm
 from paratrain.errors import ConfigError, UsageError
-from paratrain.metrics import mean_metrics
-from paratrain.ring import ring_all_reduce
+from paratrain.components.metrics import mean_metrics
+from paratrain.distributed.ring import ring_all_reduce
 from paratrain.testing import run_on_ranks
 
 # (shape, dtype, transposed): sizes not divisible by the world, both float widths, 2-D, strided

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import paratrain as pt
-from paratrain.contrastive import gather_embeddings, nt_xent_loss
+from paratrain.components.contrastive import gather_embeddings, nt_xent_loss
 from paratrain.testing import run_on_ranks
 
 GLOBAL_BATCH, TEMPERATURE = 16, 0.3

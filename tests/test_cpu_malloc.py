@@ -1,4 +1,4 @@
-"""paratrain/cpu_malloc.py: with the thresholds raised, a large block freed and allocated again
+"""paratrain/launch/cpu_malloc.py: with the thresholds raised, a large block freed and allocated again
 comes back from the heap with no page faults; by default glibc maps it afresh each time. Each
 case runs in a process of its own (the setting is process-wide)."""
 
@@ -11,7 +11,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import resource, sys
     import torch
-    from paratrain.cpu_malloc import keep_freed_blocks
+    from paratrain.launch.cpu_malloc import keep_freed_blocks
     if sys.argv[1] == "keep":
         assert keep_freed_blocks()
     torch.set_num_threads(1)
@@ -39,7 +39,7 @@ def test_keep_freed_blocks_reuses_a_freed_large_block_without_page_faults():
 
 
 def test_the_launcher_sets_the_thresholds_unless_the_user_did():
-    from paratrain.cpu_malloc import ENV, launch_env
+    from paratrain.launch.cpu_malloc import ENV, launch_env
 
     env = {"MALLOC_TRIM_THRESHOLD_": "0"}
     launch_env(env)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
-from paratrain.data import DistributedSampler, partition, partition_indices, per_rank_batch_size
+from paratrain.data.sampler import DistributedSampler, partition, partition_indices, per_rank_batch_size
 from paratrain.errors import ConfigError
 from paratrain.testing import run_on_ranks
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import paratrain as pt
-from paratrain.grid import new_group
+from paratrain.distributed.grid import new_group
 from paratrain.parallel.buckets import AllReduce
 from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
 from models import make_batches, make_model, make_optimizer, reference, train_on_rank

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain as pt
-from paratrain.cli import build_parser
-from paratrain.comm import broadcast_object
-from paratrain.launch import export_env
+from paratrain.cli.main import build_parser
+from paratrain.distributed.comm import broadcast_object
+from paratrain.launch.run import export_env
 from paratrain.testing import RankFailure, run_on_ranks
-from paratrain.topology import debug_collectives_requested, destroy, free_port
+from paratrain.distributed.topology import debug_collectives_requested, destroy, free_port
 from models import make_batches, make_model
 
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
-import paratrain.progress as progress_module
-from paratrain.optim import skips_on_device
-from paratrain.step import DeviceCheck
+import paratrain.session.progress as progress_module
+from paratrain.components.optim import skips_on_device
+from paratrain.session.step import DeviceCheck
 from paratrain.testing import max_param_diff, run_on_ranks
 from models import make_batches, make_model
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import paratrain as pt
 from paratrain import checkpoint
-from paratrain.export import export_checkpoint
+from paratrain.checkpoint.export import export_checkpoint
 from paratrain.testing import max_param_diff, run_on_ranks
 from pipeline_models import TinyGPT, next_token_loss, tiny_gpt_strategy, token_batches
 
@@ -96,7 +96,7 @@ def test_exporting_a_damaged_checkpoint_fails_and_writes_nothing(tmp_path):
 
 PEAK = """
 import re, sys
-from paratrain.cli import main
+from paratrain.cli.main import main
 
 def status(field):
     return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))

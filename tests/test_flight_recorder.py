@@ -13,8 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import paratrain as pt
-from paratrain import comm, flight_hooks, flight_recorder
-from paratrain.flight_recorder import RECORDER, FlightRecorder
+from paratrain.distributed import comm
+from paratrain.debug import flight_hooks
+from paratrain.debug import flight_recorder
+from paratrain.debug.flight_recorder import RECORDER, FlightRecorder
 from paratrain.testing import run_on_ranks
 from models import make_batches, make_model
 
@@ -62,7 +64,7 @@ def test_switched_off_torch_functions_stay_torch_own():
 def _calls_through_paratrain(topo):
     x = torch.ones(3, 5)
     line = _here() + 1
-    comm.all_reduce(x, average=True)  # paratrain/comm.py, then torch: both skipped
+    comm.all_reduce(x, average=True)  # paratrain/distributed/comm.py, then torch: both skipped
     comm.all_gather_cat(x)  # all_gather_single: the output holds world x the input's bytes
     dist.all_gather([torch.empty(2) for _ in range(topo.world_size)], torch.ones(2))
     return _entries(), line

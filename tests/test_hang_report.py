@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from paratrain import hang_report
+from paratrain.debug import hang_report
 from test_cli import paratrain
 
 TIMEOUT = 5  # seconds each collective may wait (paratrain run --timeout)

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain as pt
 from paratrain.parallel.hierarchical import Hierarchical, HierarchicalDataParallel
 from paratrain.testing import assert_same_params, run_on_ranks
-from paratrain.topology import free_port
+from paratrain.distributed.topology import free_port
 import hierarchical_worker as worker
 from models import make_batches, make_model
 

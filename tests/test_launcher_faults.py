@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from paratrain import postmortem
+from paratrain.debug import postmortem
 from test_cli import _running, paratrain, start
 
 # Writes its pid, then (second argument "gate") waits for a file before importing paratrain, so
@@ -236,7 +236,7 @@ TEARDOWN = textwrap.dedent("""
     dist.all_reduce(torch.ones(1))
     if when == "early" and rank == 0:
         os.abort()
-    pt.topology.destroy()
+    pt.destroy()
 """)
 
 

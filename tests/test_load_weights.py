@@ -8,7 +8,7 @@ from safetensors.torch import save_file, save_model
 from torch import nn
 
 import paratrain as pt
-import paratrain.weights as weights
+import paratrain.checkpoint.weights as weights
 from paratrain.testing import max_param_diff, run_on_ranks
 from pipeline_models import TinyGPT, next_token_loss, tiny_gpt, tiny_gpt_strategy, token_batches, train_one_process
 

@@ -10,9 +10,9 @@ from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomS
 from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
 import paratrain as pt
-import paratrain.loader as loader_module
+import paratrain.data.loader as loader_module
 from paratrain.errors import ConfigError
-from paratrain.loader import ShardedStream, shard_loader
+from paratrain.data.loader import ShardedStream, shard_loader
 from paratrain.testing import RankFailure, max_param_diff, run_on_ranks
 
 N = 50  # items: not a multiple of the replicas, so a last incomplete row exists

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import paratrain as pt
-from paratrain.materialize import Materializer, MetaInit
+from paratrain.components.materialize import Materializer, MetaInit
 from paratrain.testing import max_param_diff, run_on_ranks
 from pipeline_models import TinyGPT, next_token_loss, tiny_gpt_strategy, token_batches, train_one_process
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import paratrain as pt
-from paratrain.metrics import MetricsLogger
+from paratrain.components.metrics import MetricsLogger
 from paratrain.testing import run_on_ranks
 from models import make_batches, make_model
 

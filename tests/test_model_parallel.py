@@ -8,10 +8,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
 from paratrain.errors import ConfigError
-from paratrain.grid import ProcessGrid
+from paratrain.distributed.grid import ProcessGrid
 from paratrain.parallel.model_parallel import LayersOnDevices, ModelParallel
 from paratrain.testing import assert_same_params, run_on_ranks
-from paratrain.topology import Topology
+from paratrain.distributed.topology import Topology
 from pipeline_models import batches, chain
 
 STEPS = 3

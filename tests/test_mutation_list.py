@@ -1,4 +1,4 @@
-"""tools/mutation_check.py's mutants stay applicable: each snippet is still in its file exactly
+"""tools/mutation_check.py's mutants stay applicable: each snippet is still in the package exactly
 once, and each names test files that exist (the check itself runs outside the suite: too slow)."""
 
 import os

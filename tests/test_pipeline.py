@@ -16,7 +16,7 @@ from paratrain.parallel.pipeline import (Kind, Pipeline, PipelineStage, boundari
                                          split_model)
 from paratrain.parallel.pipeline.timeline import by_stage
 from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
-from paratrain.topology import Topology
+from paratrain.distributed.topology import Topology
 from pipeline_models import GLOBAL_BATCH, STEPS, batches, chain
 
 
@@ -55,8 +55,8 @@ class _CountSends:
 
 
 def _train(topo, stages, schedule, m):
-    import paratrain.comm
-    sends = paratrain.comm.isend = _CountSends(paratrain.comm.isend)  # this rank's process only
+    import paratrain.distributed.comm
+    sends = paratrain.distributed.comm.isend = _CountSends(paratrain.distributed.comm.isend)  # this rank's process only
     strategy = Pipeline(stages=stages, schedule=schedule, microbatches=m)
     model = chain()
     stage, opt = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -69,7 +69,7 @@ def _train(topo, stages, schedule, m):
         losses.append(stage.forward_backward(x, y, F.cross_entropy, 1.0).item())
         opt.step()
         opt.zero_grad()
-    paratrain.comm.isend = sends.isend
+    paratrain.distributed.comm.isend = sends.isend
     return dict(state=stage.module.state_dict(), losses=losses, events=stage.gather_events(),
                 replica=index, most_sends=sends.most)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import paratrain as pt
-from paratrain import cli
+from paratrain.cli import main as cli
 from paratrain.plan import calibrate as cal
 from paratrain.plan.cluster import Link, save_cluster
 from paratrain.plan.cluster_presets import load_cluster, preset
@@ -158,7 +158,7 @@ def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path, monke
     tiny = cal.Settings(sizes=(2**10, 2**20, 2**22), repeats=1, trials=3, matmul_size=64, matmul_seconds=0.02,
                         matmul_grid=(8, 64), shape_seconds=0.003, optimizer_sizes=(2**10, 2**14),
                         cold_bytes=2**20)
-    monkeypatch.setattr("paratrain.plan.plan_cli.QUICK", tiny)
+    monkeypatch.setattr("paratrain.cli.plan.QUICK", tiny)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this CPU's path, on a GPU machine too
     path = tmp_path / "here.json"
     code, out, err = run(capsys, "--calibrate", str(path), "--quick")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from models import make_batches, make_model
 
 import paratrain as pt
-from paratrain.precision import GradScaler
+from paratrain.components.precision import GradScaler
 from paratrain.testing import assert_same_params, max_param_diff, run_on_ranks
 
 STEPS, GLOBAL_BATCH, WORLD = 3, 16, 2

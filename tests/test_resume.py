@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import paratrain as pt
-from paratrain import random_state as rs
-from paratrain.precision import GradScaler
+from paratrain.checkpoint import random_state as rs
+from paratrain.components.precision import GradScaler
 from paratrain.testing import assert_same_params, run_on_ranks
 from models import make_batches, make_model
 from pipeline_models import chain
@@ -132,7 +132,7 @@ def test_the_step_snapshot_is_get_state_after_any_draws():
     or a cached gaussian could have: after draws of every kind, odd numbers of gaussians (one is
     left cached, then used without moving a word) and reseeding, it equals getstate() and
     np.random.get_state() every time, and the words were read (not every state read whole)."""
-    from paratrain.random_state import rng_state, rng_tensors, set_rng_state
+    from paratrain.checkpoint.random_state import rng_state, rng_tensors, set_rng_state
 
     actions = [lambda: None, lambda: np.random.rand(3), lambda: np.random.standard_normal(),
                lambda: np.random.standard_normal(2), lambda: np.random.seed(5), lambda: np.random.randint(9),
@@ -159,7 +159,7 @@ def test_the_step_snapshot_is_get_state_after_any_draws():
 
 def test_the_snapshot_reads_whole_where_the_words_are_elsewhere():
     """Words that do not match the state read whole (another layout) turn the cache off."""
-    from paratrain.random_state import WatchedState
+    from paratrain.checkpoint.random_state import WatchedState
 
     python_state = WatchedState(random.getstate, lambda: rs._python_address() + 4, rs._python_words)
     numpy_state = WatchedState(rs._numpy_get, lambda: rs._numpy_address() + 4, rs._numpy_words)

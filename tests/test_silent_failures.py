@@ -403,7 +403,7 @@ def _compiled(topo, strategy, when, tmp, backend):
         x, y = x.chunk(topo.world_size)[topo.rank], y.chunk(topo.world_size)[topo.rank]
         session.train_step((x, y), lambda out, t: F.cross_entropy(out, t)) if when != "after" else \
             _manual_step(session, model, x, y)
-    path = session.checkpoint(tmp)
+    session.checkpoint(tmp)
     session.export(f"{tmp}/model.safetensors")
     return session.full_state_dict(), sorted(session.unwrap().state_dict()), warned
 
@@ -508,8 +508,8 @@ def test_adams_betas_come_back_from_the_checkpoint_as_the_learning_rate_does(tmp
 def _nan_backward_dropped(topo, stage):
     """A backward whose gradients turn NaN on rank 1, dropped by optimizer.zero_grad(); then a
     clean backward and the step's checks: the dropped gradients' sums must not stop it."""
-    from paratrain.accumulation import TokenWeights
-    from paratrain.step import optimizer_step
+    from paratrain.components.accumulation import TokenWeights
+    from paratrain.session.step import optimizer_step
 
     model = make_model("mlp")
     model, opt = pt.shard(model, _sgd(model), stage=stage)

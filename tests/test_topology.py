@@ -9,7 +9,7 @@ import torch
 
 import paratrain as pt
 from paratrain.testing import RankFailure, run_on_ranks
-from paratrain.topology import DRAIN_S, first_slurm_host, free_port
+from paratrain.distributed.topology import DRAIN_S, first_slurm_host, free_port
 from test_cli import _running, assert_no_worker_left
 from test_launcher_faults import _wait_for
 

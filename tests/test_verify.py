@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from paratrain.verify import CHUNK, summary
-from paratrain.verify_cli import _check_summaries
+from paratrain.debug.verify import CHUNK, summary
+from paratrain.cli.verify import _check_summaries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT_SMALL = ["--block-size", "16", "--layers", "2", "--width", "32", "--heads", "2", "--batch-size", "8"]

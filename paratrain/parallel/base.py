@@ -24,7 +24,7 @@ never ask which strategy built it, nor probe it for attributes:
 The defaults below are those of a model every rank holds whole, with gradients that are equal on
 every rank after backward. A `Strategy` is a frozen dataclass of settings whose `setup` builds
 the wrapper and the optimizer that steps it; it sits in the wrapper's own file, and the registry
-(strategy.py) names it.
+(parallel/registry.py) names it.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ import torch
 from torch import nn
 
 from paratrain.errors import UsageError
-from paratrain.grid import ProcessGrid
-from paratrain.materialize import MetaInit
-from paratrain.optim import check_optimizer_owns
-from paratrain.topology import Topology
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.components.materialize import MetaInit
+from paratrain.components.optim import check_optimizer_owns
+from paratrain.distributed.topology import Topology
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -70,7 +70,7 @@ class FlatLayout:
 
 @dataclass(frozen=True)
 class CheckpointLayout:
-    """What one rank holds of a model, in the terms of the canonical layout (state_layout.py)."""
+    """What one rank holds of a model, in the terms of the canonical layout (checkpoint/layout.py)."""
 
     params: dict[str, torch.Tensor]  # parameters held whole, by their names in the user's model
     flat: dict[torch.Tensor, FlatLayout]  # flat shards (what a sharded optimizer steps) → contents
@@ -215,7 +215,7 @@ class Strategy:
               init: MetaInit | None = None) -> tuple[ParallelModule, torch.optim.Optimizer | None]:
         """The wrapped model (on this rank's device) and the optimizer that steps it. Collective:
         every rank calls it at the same point. A model built on the meta device gets its values
-        by `init`'s rule (materialize.py): whole where every rank holds all of it, only this
+        by `init`'s rule (components/materialize.py): whole where every rank holds all of it, only this
         rank's part under ZeRO-3 and the pipeline."""
         raise NotImplementedError
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import sum_over
+from paratrain.distributed.comm import sum_over
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_MB = 25
@@ -70,7 +70,7 @@ class Bucket:
 
 
 class ReducedSums:
-    """The finite-gradient check (step.py) folded into the reduction: where a rank holds each
+    """The finite-gradient check (session/step.py) folded into the reduction: where a rank holds each
     reduction whole (DDP's all-reduce; ZeRO's all-reduce path and stage 1), a sum of every
     reduced buffer, taken as its reduction completes, tells it whether any element on any rank is
     NaN or infinite, with no second read of the gradients at the step and no collective (after a
@@ -101,7 +101,7 @@ class ReducedSums:
         """The sum of every reduced element (a 0-dim fp32 tensor: finite exactly when each element
         on each rank was), or None when none was taken; starts the next count. Shared: a
         collective, so every rank calls it at the same point (once per optimizer step, after the
-        same reductions). The caller tests it on the host (step.py: `math.isfinite(x.item())`,
+        same reductions). The caller tests it on the host (session/step.py: `math.isfinite(x.item())`,
         one op where `torch.isfinite` of a scalar is four, ~20 us a step on the tiny model)."""
         total, self.total = self.total, None
         if total is None or self.share is None:

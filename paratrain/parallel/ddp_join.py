@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from paratrain.comm import broadcast_coalesced
+from paratrain.distributed.comm import broadcast_coalesced
 from paratrain.errors import CommError
 from paratrain.parallel.grad_sync import GradSync
 

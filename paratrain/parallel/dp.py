@@ -36,8 +36,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from paratrain.errors import ConfigError
-from paratrain.grid import ProcessGrid
-from paratrain.materialize import MetaInit, whole
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.components.materialize import MetaInit, whole
 from paratrain.parallel.base import LossFn, ParallelModule, Strategy, backward_no_autocast, owned, scaled
 
 Device = torch.device | str | int

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from paratrain import comm
+from paratrain.distributed import comm
 from paratrain.errors import UsageError
 from paratrain.parallel.buckets import UNLIMITED, GradBuckets, Reduction, assign, first_layout
 

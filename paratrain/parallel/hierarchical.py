@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import ByteCounter, all_gather_single, reduce_scatter_single, ring_bytes
+from paratrain.distributed.comm import ByteCounter, all_gather_single, reduce_scatter_single, ring_bytes
 from paratrain.errors import ConfigError
-from paratrain.grid import NodeGroups, ProcessGrid
-from paratrain.materialize import MetaInit, whole
+from paratrain.distributed.grid import NodeGroups, ProcessGrid
+from paratrain.components.materialize import MetaInit, whole
 from paratrain.parallel.base import owned
 from paratrain.parallel.buckets import Bucket, Reduction
 from paratrain.parallel.ddp import DDP, DistributedDataParallel
@@ -53,7 +53,7 @@ INTRA_REDUCE_SCATTER, INTER_ALL_REDUCE, INTRA_ALL_GATHER, DONE = range(4)  # a b
 
 @dataclass
 class HierarchicalBytes:
-    """Bytes this rank sent, by where they went (bandwidth-optimal ring accounting, comm.py)."""
+    """Bytes this rank sent, by where they went (bandwidth-optimal ring accounting, distributed/comm.py)."""
 
     intra_node: ByteCounter = field(default_factory=ByteCounter)  # phases 1 and 3
     inter_node: ByteCounter = field(default_factory=ByteCounter)  # phase 2: across the node boundary

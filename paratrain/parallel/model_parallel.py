@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.grid import ProcessGrid
-from paratrain.materialize import MetaInit, whole
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.components.materialize import MetaInit, whole
 from paratrain.parallel.base import LossFn, ParallelModule, Strategy, owned
 from paratrain.parallel.pipeline.partition import BALANCES, layer_costs, split_model
 

@@ -9,8 +9,8 @@ from typing import Any
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.grid import ProcessGrid
-from paratrain.materialize import MetaInit, whole
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.components.materialize import MetaInit, whole
 from paratrain.parallel.base import ParallelModule, Strategy, owned
 
 

@@ -5,7 +5,7 @@ has it; a table of matmul rates by shape; Adam's rate by tensor size; element-wi
 On the CPU, with one thread (a device is one core: the cluster's `gpus_per_node` is the core
 count), and square matmuls with all of them too (`measured["matmul_all_threads"]`). The measured
 rate is the achieved one, so the file's matmul_efficiency is 1.0. The process first keeps freed
-blocks for reuse, as the ranks `paratrain run` starts do (cpu_malloc.py): otherwise Adam's
+blocks for reuse, as the ranks `paratrain run` starts do (launch/cpu_malloc.py): otherwise Adam's
 temporaries are mapped afresh, page by page, a varying part of the time.
 
 Phase 2, collectives: `Settings.world` ranks (testing.run_on_ranks: gloo on the CPU, nccl and one
@@ -38,15 +38,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from paratrain.comm import all_gather_single, reduce_scatter_single
-from paratrain.cpu_malloc import keep_freed_blocks
+from paratrain.distributed.comm import all_gather_single, reduce_scatter_single
+from paratrain.launch.cpu_malloc import keep_freed_blocks
 from paratrain.errors import ConfigError
 from paratrain.plan.cluster import Cluster, Link
 from paratrain.plan.comm_model import TERMS, Terms
 from paratrain.plan.calibrate_compute import (DTYPES, Settings, elementwise_rate, matmul_rates, matmul_table,
                                                optimizer_rate, optimizer_table, sync_device, traffic_rate)
 from paratrain.testing import run_on_ranks
-from paratrain.topology import Topology
+from paratrain.distributed.topology import Topology
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratrain.grid import NodeGroups
+from paratrain.distributed.grid import NodeGroups
 from paratrain.parallel.buckets import AllReduce, Reduction, assign, default_caps
 from paratrain.parallel.ddp import DDP, bucket_caps
 from paratrain.parallel.grad_sync import first_grad_layout, rebuilds

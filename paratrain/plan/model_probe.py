@@ -12,7 +12,7 @@ and storages, no memory, no arithmetic), and one forward and one backward of one
   and its base are one storage; a tensor saved by two ops is one), parameters and buffers
   excluded (they are model state: the strategies' layouts count them). This is what the forward
   leaves alive for the backward, the activation part of the peak at the end of the forward.
-  Under activation checkpointing (activation_checkpointing.py, reused here as training uses it)
+  Under activation checkpointing (components/activation_checkpointing.py, reused here as training uses it)
   the checkpointed modules save their inputs only (torch.utils.checkpoint saves them through the
   same hooks), and the rest of the model saves what it always does. Under autocast
   (precision "bf16"/"fp16") with fp32 parameters, the low-precision weight copies the matmuls
@@ -52,14 +52,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from paratrain.activation_checkpointing import Which, checkpoint_activations, select
+from paratrain.components.activation_checkpointing import Which, checkpoint_activations, select
 from paratrain.errors import ConfigError
 from paratrain.plan.block_regions import BlockRegions
 from paratrain.plan.fake_step import CPU_ATTENTION_FLOPS, Lifetimes, faked, fused_attention
 from paratrain.plan.matmuls import Matmuls, Recorder, Traffic, extend_matmuls, scaling
 from paratrain.plan.model_source import ModelSource
 from paratrain.plan.repeated_blocks import Stack, cut, extend, extend_blocks, find_stack
-from paratrain.precision import PRECISIONS
+from paratrain.components.precision import PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def model_facts(source: ModelSource, batch: int, seq: int | None = None, *, prec
                 loss_fn=None, exact: bool = False) -> ModelFacts:
     """Count `source`'s model (module docstring). `param_dtype` casts the parameters first (as ZeRO's
     param_dtype does); `activation_checkpointing` chooses the modules to checkpoint in the second
-    count (activation_checkpointing.py's `which`; None: no second count). A stack of identical
+    count (components/activation_checkpointing.py's `which`; None: no second count). A stack of identical
     blocks is counted from copies cut to one and two blocks (repeated_blocks.py) unless `exact`."""
     if batch < 1 or (seq is not None and seq < 1):
         raise ConfigError(f"batch and seq must be at least 1; got batch {batch}, seq {seq}")

@@ -1,7 +1,7 @@
 """Pipeline communication: activations forward to the next stage, their gradients back.
 
 A stage exchanges tensors only with its two neighbours in the pipeline group (peers are ranks
-inside that group, as everywhere in paratrain.comm). Four moves, named after picotron's
+inside that group, as everywhere in paratrain.distributed.comm). Four moves, named after picotron's
 pp_communications and Megatron-LM's p2p_communication:
 
     recv_forward / send_forward     activation of a micro-batch from stage s-1 / to stage s+1
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
-from paratrain import comm
+from paratrain.distributed import comm
 from paratrain.errors import UsageError
 
 Meta = tuple[torch.Size, torch.dtype]  # one leaf's shape and dtype

@@ -5,7 +5,7 @@
     for batch in session.progress(loader):
         loss = session.train_step(batch, loss_fn)      # the same loop as every strategy
 
-Ranks form one grid, `arange(world).view(replicas, stages)` (grid.py, picotron's layout): a row is one
+Ranks form one grid, `arange(world).view(replicas, stages)` (distributed/grid.py, picotron's layout): a row is one
 pipeline (rank r is stage r % stages of replica r // stages), a column holds one stage's
 replicas, which average their gradients. So world 4 with stages=2 is 2 stages × 2 replicas.
 All stages of a replica read the same batches; the first uses the inputs, the last the targets.
@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain import comm
-from paratrain.comm import broadcast_coalesced
+from paratrain.distributed import comm
+from paratrain.distributed.comm import broadcast_coalesced
 from paratrain.errors import ConfigError
-from paratrain.grid import ProcessGrid
-from paratrain.materialize import Materializer, MetaInit, has_meta
-from paratrain.optim import rebuild_optimizer
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.components.materialize import Materializer, MetaInit, has_meta
+from paratrain.components.optim import rebuild_optimizer
 from paratrain.parallel.base import Strategy, uncompiled
 from paratrain.parallel.pipeline.adapters import cut_for
 from paratrain.parallel.pipeline.cut import Cut
@@ -33,7 +33,7 @@ from paratrain.parallel.pipeline.plan import StagePlan, plan_cut, plan_sequentia
 from paratrain.parallel.pipeline.schedules import SCHEDULES
 from paratrain.parallel.pipeline.stage import PipelineStage
 from paratrain.parallel.pipeline.tied import TiedWeights, holders
-from paratrain.topology import Topology
+from paratrain.distributed.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Pipeline(Strategy):
         plan = self._plan(model)
         tied = holders(plan.holdings)
         module, run = plan.build(grid.stage)
-        if materializer is not None:  # a meta-built model: this stage's parts only (materialize.py)
+        if materializer is not None:  # a meta-built model: this stage's parts only (components/materialize.py)
             materializer.materialize([*module.parameters(), *module.buffers()])
         module = module.to(grid.topology.device)
         mine = set(module.parameters())  # names of this stage's only: the other stages' weights are freed

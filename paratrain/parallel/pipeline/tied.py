@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain import comm
+from paratrain.distributed import comm
 
 
 def holders(holdings: list[list[nn.Parameter]]) -> dict[int, tuple[int, ...]]:

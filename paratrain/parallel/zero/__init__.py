@@ -8,7 +8,7 @@ stage 2 also gradients, stage 3 also parameters.
     units.py        how stage 3 takes a model apart into units
     wrap_policy.py  which submodules become units
     collectives.py  the collectives only ZeRO uses (reduce to owners, gather from owners)
-    optim.py        what ZeRO asks of the user's optimizer
+    components/optim.py        what ZeRO asks of the user's optimizer
 
 `shard(model, optimizer, stage=…)` applies a stage without a Session; `ZeRO(stage=…)` is the
 strategy a Session takes (`"zero1"`, `"zero2"`, `"zero3"`).
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paratrain.comm import group_device
+from paratrain.distributed.comm import group_device
 from paratrain.errors import ConfigError
-from paratrain.grid import ProcessGrid
-from paratrain.materialize import MetaInit, has_meta, whole
-from paratrain.optim import rebuild_optimizer
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.components.materialize import MetaInit, has_meta, whole
+from paratrain.components.optim import rebuild_optimizer
 from paratrain.parallel.base import Strategy
 from paratrain.parallel.zero.collectives import OwnerCollectives
 from paratrain.parallel.zero.optim import check_steps_on_cpu, param_groups_of
@@ -56,7 +56,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
     `collectives`: which collectives move slices to and from their owners (default: what is
     fastest on the group's backend).
 
-    A model built on the meta device gets its values by `init`'s rule (materialize.py) on
+    A model built on the meta device gets its values by `init`'s rule (components/materialize.py) on
     `device` (default: the group's): whole for stages 1 and 2, and for stage 3 unit by unit,
     each rank keeping only its shards.
     """

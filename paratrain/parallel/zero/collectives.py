@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.comm import all_gather_single, global_rank, reduce_scatter_single
+from paratrain.distributed.comm import all_gather_single, global_rank, reduce_scatter_single
 from paratrain.errors import UsageError
 from paratrain.parallel.buckets import ReducedSums
 

@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import all_gather_single
+from paratrain.distributed.comm import all_gather_single
 from paratrain.parallel.base import FlatLayout, user_key
 from paratrain.parallel.buckets import ReducedSums, padded_numel
 from paratrain.parallel.grad_sync import no_gradient_error

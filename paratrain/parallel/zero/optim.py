@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.optim import check_optimizer_owns, rebuild_optimizer
+from paratrain.components.optim import check_optimizer_owns, rebuild_optimizer
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import all_gather_single, broadcast_coalesced
+from paratrain.distributed.comm import all_gather_single, broadcast_coalesced
 from paratrain.errors import ConfigError, UsageError
-from paratrain.optim import clip_grad_norm_over, rebuild_optimizer, skips_on_device
-from paratrain.precision import cast_floating
+from paratrain.components.optim import clip_grad_norm_over, rebuild_optimizer, skips_on_device
+from paratrain.components.precision import cast_floating
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, names_by_first, user_key
 from paratrain.parallel.buckets import Bucket
 from paratrain.parallel.ddp import DistributedDataParallel
@@ -223,7 +223,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for index in range(len(optimizer.param_groups))])
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self.state = self.inner.state
-        self.skips_on_device = skips_on_device(self.inner)  # it hands found_inf on (step.py, DeviceCheck)
+        self.skips_on_device = skips_on_device(self.inner)  # it hands found_inf on (session/step.py, DeviceCheck)
         self.built = True
 
     def add_param_group(self, param_group: dict) -> None:

@@ -1,0 +1,1 @@
+"""The `paratrain` command, one module per subcommand (main.py dispatches; argparse only)."""

@@ -1,0 +1,1 @@
+"""What each rank reads: the distributed sampler, the session's loader, and batches."""

@@ -1,0 +1,1 @@
+"""Where a process sits in the job, its process groups, and the collectives between them."""

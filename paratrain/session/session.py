@@ -1,0 +1,298 @@
+"""The training session: one object that turns a single-device loop into a distributed one.
+
+    session = pt.Session(strategy="ddp", accumulate=4)
+    model, optimizer, loader = session.setup(model, optimizer, loader)
+    for epoch in range(epochs):
+        for batch in session.progress(loader):
+            loss = session.train_step(batch, loss_fn)
+
+`setup` wraps the model with the strategy (a `ParallelModule`, parallel/base.py: the session only
+ever calls that protocol) and rebuilds the loader so that each data-parallel replica reads a
+disjoint share of every epoch: the loader's `batch_size` is the *global* batch, so changing the
+number of processes does not change what one optimizer step sees. For loops that need more
+control, `train_step` is `with session.accumulation(): loss = …; session.backward(loss)` followed
+by `session.step()`. Checkpoint methods are in session/resume.py; progress() and the job's facts in
+session/facts.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from paratrain import checkpoint
+from paratrain.components.accumulation import MicroBatch, TokenWeights
+from paratrain.components.activation_checkpointing import Which, checkpoint_activations
+from paratrain.data.batch import label_shift, unpack
+from paratrain.data.loader import to_device
+from paratrain.components.materialize import MetaInit
+from paratrain.errors import ConfigError, UsageError
+from paratrain.session.autolog import Logging, open_metrics
+from paratrain.components.optim import Given, describe, retire_replaced
+from paratrain.parallel.base import ParallelModule, Strategy, backward_no_autocast, check_loss, scaled, uncompiled
+from paratrain.session.preemption import Preemption, after_optimizer_step
+from paratrain.components.precision import GradScaler, autocast_dtype, scaler_for
+from paratrain.session.resume import SessionCheckpoints, note_micro_step, position
+from paratrain.session.facts import JobFacts
+from paratrain.session.step import DeviceCheck, LossLog, optimizer_step
+from paratrain.session.watch import StepWarnings, StepWatch
+from paratrain.parallel.registry import resolve
+from paratrain.distributed.topology import Topology, destroy
+from paratrain.debug.verify import StepRecorder
+
+
+class Session(JobFacts, SessionCheckpoints):
+    """Strategy, accumulation, clipping, progress and rank-0 printing for one training job.
+
+    strategy: a name ("single", "dp", "ddp", "hierarchical", "zero1", "zero2", "zero3",
+        "model-parallel", "pipeline") or an object such as
+        `paratrain.DDP(...)` or `paratrain.ZeRO(stage=3, wrap_policy=...)`.
+    accumulate: micro-batches per optimizer step; gradients are averaged over them and
+        communication happens only on the last one.
+    max_grad_norm: clip the global gradient norm to this before each optimizer step.
+    precision: "32" (the parameters' dtype), "bf16" or "fp16": forward and loss under
+        `torch.autocast` in that dtype; parameters, gradients and optimizer state stay fp32.
+        "fp16" also scales the loss (`grad_scaler`, default `paratrain.GradScaler()`): a step
+        with an inf or nan gradient on any rank is skipped by every rank.
+    seed: seeds torch on every rank and the data order of every epoch.
+    timeout: seconds any collective may wait before the job fails (default PARATRAIN_TIMEOUT or 600).
+    nan_check: raise when a micro-batch's loss, or a gradient, is NaN or infinite, before the
+        optimizer steps: checked at each optimizer step, one wait for the device; none with a
+        fused optimizer on a GPU, which skips the step there and raises one step later (session/step.py).
+    log_dir: where `log()` writes metrics.csv (and TensorBoard events when it is installed).
+    logging: what the session logs there by itself, and to which backends (autolog.Logging:
+        every 10 optimizer steps loss, lr, grad norm, fp16 scale, samples/tokens per second, MFU).
+    debug_collectives: check that every rank issues the same collective, and fail naming both when
+        they differ (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL; default PARATRAIN_DEBUG_COLLECTIVES).
+    topology: where this process sits; read from the environment when not given.
+    checkpoint_on_preempt: a checkpoint root: on SIGTERM or SIGUSR1 every rank finishes the
+        optimizer step, checkpoints there and exits 0, for a requeued job to resume (session/preemption.py).
+    activation_checkpointing: recompute these modules' activations in backward instead of keeping
+        them: "auto" (the blocks of every ModuleList of identical blocks), a module class, or a
+        predicate fn(name, module); applied in setup, under every strategy (components/activation_checkpointing.py).
+    step_warnings: when an fp16 step is skipped, the loss scale keeps halving or the gradient norm
+        jumps: a rank-0 `StepWarning` and a metrics row (session/watch.py); None: silent.
+    """
+
+    def __init__(self, strategy: str | Strategy = "ddp", *, accumulate: int = 1,
+                 max_grad_norm: float | None = None, seed: int = 0, timeout: float | None = None,
+                 topology: Topology | None = None, progress_bar: bool = True, nan_check: bool = True,
+                 log_dir: str | os.PathLike | None = None, debug_collectives: bool | None = None,
+                 precision: str = "32", grad_scaler: GradScaler | None = None,
+                 checkpoint_on_preempt: str | os.PathLike | None = None, logging: Logging | None = None,
+                 activation_checkpointing: Which | None = None, step_warnings: StepWarnings | None = StepWarnings()):
+        if accumulate < 1:
+            raise ConfigError(f"accumulate must be at least 1; got {accumulate}")
+        self.precision, self.autocast_dtype = precision, autocast_dtype(precision)
+        self.scaler = scaler_for(precision, grad_scaler)
+        self._weights = TokenWeights()  # token weights of this accumulation window
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm must be a positive norm to clip to; got {max_grad_norm} "
+                              "(leave it None not to clip)")
+        self.strategy = resolve(StepRecorder.strategy(strategy))  # `paratrain verify` may choose it
+        self.accumulate, self.max_grad_norm, self.seed = accumulate, max_grad_norm, seed
+        self.topology = (topology or Topology.from_env()).init(timeout, debug_collectives=debug_collectives)
+        self.grid = self.strategy.grid(self.topology)  # every process group comes from it (distributed/grid.py)
+        self.progress_bar, self.nan_check = progress_bar, nan_check
+        self._losses = LossLog(accumulate, self.rank)  # read at the optimizer step (nan_check)
+        self._on_device: DeviceCheck | None = None  # nan_check without a wait (setup, session/step.py)
+        self.metrics, self.meter = open_metrics(log_dir, logging, self.is_main)
+        self.model: ParallelModule | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.loader: DataLoader | None = None  # the training loader setup() returned
+        self.epoch = 0
+        self.micro_step = 0  # micro-batches seen; an optimizer step every `accumulate`
+        self.last_loss: torch.Tensor | None = None
+        self.samples_per_second = 0.0  # global throughput of the last progress() loop
+        self.registered: dict[str, Any] = {}  # name → object whose state checkpoints carry
+        self.unclaimed: dict[str, Any] = {}  # loaded states of objects not registered yet (session/resume.py)
+        self._in_micro_batch = False  # an accumulation() block was entered, step() not yet called
+        self._label_shift: bool | None = None  # the model's own loss shifts its labels (data/batch.py)
+        self.given = Given(0, 0, None)  # the model and optimizer given to setup(), as given
+        self.step_boundary: dict | None = None  # the loop at the last optimizer step (session/resume.py)
+        self.preemption = Preemption(str(checkpoint_on_preempt)) if checkpoint_on_preempt else None
+        self.activation_checkpointing = activation_checkpointing
+        self.watch = StepWatch(step_warnings) if step_warnings is not None else None
+        self._verify = StepRecorder.from_env(self.rank)  # under `paratrain verify` only (debug/verify.py)
+        torch.manual_seed(seed)
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+              loader: DataLoader | None = None, *, init_fn: Callable[[nn.Module], None] | None = None):
+        """Wrap `model` with the strategy, check `optimizer` holds its parameters, and shard
+        `loader`. Returns (model, optimizer, loader), leaving out what was not passed.
+
+        A model built under `torch.device("meta")` is materialised here: whole under replicated
+        strategies, only this rank's shards under zero3 and its stage under a pipeline, each
+        tensor by its module's reset_parameters() and then `init_fn(module)`, seeded from the
+        session's seed and the module's path, so the values do not depend on the strategy or the
+        world size (components/materialize.py)."""
+        if self.model is not None:
+            raise UsageError("setup() was already called on this session: keep using the model, "
+                             "optimizer and loader it returned, or make a new Session for another model")
+        self.given = describe(model, optimizer)
+        self._label_shift = label_shift(uncompiled(model))  # what weight="tokens" counts (data/batch.py)
+        if self._verify is not None:
+            self._verify.prepare(model)
+        if self.activation_checkpointing is not None:
+            checkpoint_activations(uncompiled(model), self.activation_checkpointing)
+        self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid,
+                                                         init=MetaInit(self.seed, init_fn))
+        retire_replaced(optimizer, self.optimizer, self.strategy.name)
+        if self.nan_check and self.scaler is None and self.max_grad_norm is None:  # else the
+            self.model.watch_reductions()  # unscale or the norm is the check (session/step.py)
+        self._on_device = DeviceCheck() if DeviceCheck.wanted(self.optimizer, self.scaler, self.nan_check) else None
+        self.loader = self.shard_loader(loader) if loader is not None else None
+        if self.loader is not None:
+            self.loader.epochs = self  # each pass reads session.epoch, a complete one ends it (data/loader.py)
+        self.step_boundary = position(self) if self.accumulate > 1 else None
+        out = [self.model] + [x for x in (self.optimizer, self.loader) if x is not None]
+        return out[0] if len(out) == 1 else tuple(out)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def train_step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                   weight: float | torch.Tensor | str | None = None) -> torch.Tensor:
+        """Forward `inputs`, `loss_fn(outputs, targets)`, backward, and — on the last of
+        `accumulate` micro-batches — clip and step. Returns the (unscaled) loss, detached.
+        `batch`: (inputs, targets), or a dict of model inputs whose model computes its own loss
+        when loss_fn is left out (data/batch.py). `weight`: what the loss is a mean over (its number
+        of valid tokens; "tokens" counts the labels that are not -100); see `backward`."""
+        inputs, targets, loss_fn, weight = unpack(to_device(batch, self.device), loss_fn, weight, self._label_shift)
+        model = self._require_model()
+        if self.meter is not None:
+            self.meter.count(inputs)
+        with self.accumulation():
+            loss = model.forward_backward(inputs, targets, loss_fn or model.default_loss, self._loss_factor(weight))
+        self._check_finite(loss)  # a NaN loss (a pipeline's: the mean of its micro-batches') is named at the step
+        if self._verify is not None:
+            self._verify.loss(loss)
+        self.last_loss = loss
+        self.step()
+        return loss
+
+    def accumulation(self) -> contextlib.AbstractContextManager[bool]:
+        """Wrap forward and backward of one micro-batch: on all but the last of `accumulate`
+        micro-batches, gradients accumulate locally with no communication. Under precision
+        "bf16"/"fp16" the block runs under `torch.autocast`. Yields whether this micro-batch
+        ends an optimizer step."""
+        if self._in_micro_batch:
+            raise UsageError(f"accumulation() was entered again before session.step(): call step() after "
+                             f"every micro-batch's backward (it steps the optimizer on every {self.accumulate}"
+                             f"th call, accumulate={self.accumulate}), not once after several blocks")
+        self._in_micro_batch = True
+        last = (self.micro_step + 1) % self.accumulate == 0
+        if last and self.autocast_dtype is None:  # nothing to enter: the common case costs no generator
+            return MicroBatch(self, last)
+        return self._micro_batch(last)
+
+    @contextlib.contextmanager
+    def _micro_batch(self, last: bool) -> Iterator[bool]:
+        sync = contextlib.nullcontext() if last else self._require_model().no_sync()
+        with MicroBatch(self, last), sync, self.autocast():
+            yield last
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """`torch.autocast` in the session's precision on its device (nothing for "32").
+        Strategies run backward inside `forward_backward` (a pipeline interleaves the two), each
+        backward with autocast turned off (parallel/base.py, backward_no_autocast), as torch's recipe has it."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def backward(self, loss: torch.Tensor, weight: float | torch.Tensor | None = None) -> None:
+        """Backward of `loss / accumulate`, so k micro-batches of the mean loss sum to the mean
+        over one k-times-larger batch (times the loss scale under fp16).
+
+        Token-weighted losses: when each micro-batch's loss is a mean over a different number of
+        items (valid tokens of a padded batch), pass that number as `weight` on every micro-batch
+        of every rank; the step's gradient is then that of the mean over every token of every
+        micro-batch and rank, as one process would compute it (how: components/accumulation.py).
+
+            mask = targets != PAD
+            loss = session.train_step((x, targets), lambda out, y: F.cross_entropy(
+                out.flatten(0, 1), y.flatten(), ignore_index=PAD), weight=mask.sum())"""
+        self._check_finite(check_loss(loss))
+        self.last_loss = loss.detach()  # the progress bar's and the automatic rows' loss
+        if self._verify is not None:
+            self._verify.loss(self.last_loss)
+        backward_no_autocast(scaled(loss, self._loss_factor(weight)))
+
+    def _loss_factor(self, weight: float | torch.Tensor | None) -> float:
+        """What backward multiplies this micro-batch's loss by: 1/accumulate, or its weight
+        (normalised in step()), times the fp16 loss scale."""
+        if weight is not None and not self._require_model().supports_token_weights:
+            raise UsageError(f"weight= is not supported with strategy {self.strategy.name!r} yet: it cuts batches "
+                             "itself (a pipeline's micro-batches, balanced DataParallel's per-device losses), so a "
+                             "batch's weight cannot weigh its pieces; pass losses averaged over equal token counts")
+        factor = self._weights.add(weight, self.accumulate)
+        return factor * (self.scaler.scale_value if self.scaler is not None else 1.0)
+
+    def step(self) -> bool:
+        """Count a micro-batch; at the end of each accumulation, normalise token-weighted
+        gradients, unscale (fp16), clip, step and zero the gradients. Returns True when the
+        optimizer stepped (under fp16 every rank skips a step whose gradients overflowed; a step
+        checked on the device says True, and its error comes at the next one: nan_check)."""
+        self.micro_step += 1
+        self._in_micro_batch = False
+        if self.micro_step % self.accumulate:
+            note_micro_step(self, optimizer_step=False)
+            return False
+        if self.optimizer is None:
+            raise UsageError("step() needs an optimizer: pass it to session.setup(model, optimizer)")
+        model = self._require_model()
+        result = optimizer_step(model, self.optimizer, weights=self._weights, scaler=self.scaler,
+                                max_grad_norm=self.max_grad_norm, check_finite=self.nan_check, losses=self._losses,
+                                on_device=self._on_device,
+                                before_step=self._verify and functools.partial(self._verify.before_step, model))
+        if self._verify is not None and self._verify.after_step(model, self.precision):
+            self.close()  # the steps `paratrain verify` asked for are recorded: the run ends here
+            raise SystemExit(0)
+        note_micro_step(self, optimizer_step=True)  # the loader's count, the step boundary (session/resume.py)
+        if self.watch is not None:
+            self.watch.after_step(self, result)  # skipped steps, a falling scale, norm jumps (session/watch.py)
+        if self.meter is not None:
+            self.meter.after_step(self, result)  # automatic metric rows (session/autolog.py)
+        after_optimizer_step(self, self.preemption)  # may checkpoint and exit (session/preemption.py)
+        return result.stepped
+
+    def _check_finite(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.nan_check:  # read at the optimizer step, with the gradients: no wait per micro-batch
+            self._losses.add(loss, self.micro_step, self.epoch)
+        return loss
+
+    # -- end ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the metrics files, release the checkpoint root's lock, tear down the process group;
+        then raise the last step's error if its check was still on its way (session/step.py, DeviceCheck)."""
+        pending, self._on_device = self._on_device, None
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.preemption is not None:
+            self.preemption.restore()
+        checkpoint.unlock_roots(owner=self)
+        destroy()
+        if pending is not None:
+            pending.raise_pending()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is not None and not issubclass(exc[0], SystemExit):  # that error stands alone
+            self._on_device = None
+        self.close()
+
+    def _require_model(self) -> nn.Module:
+        if self.model is None:
+            raise UsageError("call session.setup(model, optimizer, loader) before training")
+        return self.model
+
