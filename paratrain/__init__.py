@@ -5,28 +5,25 @@
     model, optimizer, loader = session.setup(model, optimizer, loader)
     for batch in session.progress(loader):
         loss = session.train_step(batch, loss_fn)
+
+Public names only. Importing paratrain changes nothing in torch: the flight recorder's hooks and
+the worker are installed where a job starts (a `Session`, each rank `paratrain run` starts,
+`pt.install_flight_recorder()` for a loop that uses the wrappers alone).
 """
 
-from paratrain.launch import worker
-
-worker.attach()  # first, before torch loads: under `paratrain run`, die with the launcher, leave notes
-
-from paratrain.components.activation_checkpointing import checkpoint_activations  # noqa: E402
-from paratrain.session.autolog import Logging  # noqa: E402
-from paratrain.distributed.comm import all_gather_with_grad, broadcast_object  # noqa: E402
-from paratrain.components.metrics import mean_metrics  # noqa: E402
+from paratrain.checkpoint.weights import load_weights
+from paratrain.components.activation_checkpointing import checkpoint_activations
 from paratrain.components.contrastive import Gathered, gather_embeddings, nt_xent_loss
-from paratrain.data.sampler import DistributedSampler, partition
-from paratrain.errors import (
-    CheckpointError,
-    CommError,
-    ConfigError,
-    ParatrainError,
-    UsageError,
-)
-from paratrain.distributed.grid import NodeGroups, ProcessGrid, node_groups
 from paratrain.components.materialize import materialize
-from paratrain.components.metrics import MetricsLogger
+from paratrain.components.metrics import MetricsLogger, mean_metrics
+from paratrain.components.precision import GradScaler
+from paratrain.data.sampler import DistributedSampler, partition
+from paratrain.debug.flight_hooks import install as install_flight_recorder
+from paratrain.distributed.comm import all_gather_with_grad, broadcast_object
+from paratrain.distributed.grid import NodeGroups, ProcessGrid, node_groups
+from paratrain.distributed.ring import ring_all_reduce
+from paratrain.distributed.topology import Topology, destroy
+from paratrain.errors import CheckpointError, CommError, ConfigError, ParatrainError, UsageError
 from paratrain.parallel.base import ParallelModule, Strategy, full_state_dict
 from paratrain.parallel.ddp import DDP, DistributedDataParallel
 from paratrain.parallel.dp import DP, DataParallel
@@ -35,16 +32,9 @@ from paratrain.parallel.model_parallel import LayersOnDevices, ModelParallel
 from paratrain.parallel.pipeline import Cut, Pipeline, PipelineStage
 from paratrain.parallel.single import Single
 from paratrain.parallel.zero import WrapPolicy, ZeRO, shard
-from paratrain.components.precision import GradScaler
-from paratrain.distributed.ring import ring_all_reduce
+from paratrain.session.autolog import Logging
 from paratrain.session.session import Session
 from paratrain.session.watch import StepWarning, StepWarnings
-from paratrain.distributed.topology import Topology, destroy
-from paratrain.checkpoint.weights import load_weights
-
-from paratrain.debug import flight_hooks  # noqa: E402
-
-flight_hooks.install()  # every rank records its last collectives (debug/flight_recorder.py; PARATRAIN_FLIGHT_RECORDER=0: off)
 
 __version__ = "0.1.0"
 
@@ -58,6 +48,6 @@ __all__ = [
     "PipelineStage",
     "shard", "full_state_dict", "WrapPolicy",
     "GradScaler", "MetricsLogger", "Logging", "StepWarning", "StepWarnings", "checkpoint_activations",
-    "materialize", "load_weights",
+    "materialize", "load_weights", "install_flight_recorder",
     "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
 ]

@@ -23,8 +23,9 @@ from typing import Any, Callable
 
 import torch
 
-from paratrain.errors import ParatrainError
+from paratrain.debug import flight_hooks
 from paratrain.distributed.topology import Topology, destroy, free_port
+from paratrain.errors import ParatrainError
 
 
 class RankFailure(ParatrainError, RuntimeError):
@@ -114,6 +115,7 @@ def _rank_main(fn, rank, env, threads, collective_timeout, args, kwargs, results
     # started this one (each rank's DataLoader workers would start a server of their own: seconds)
     mp.set_start_method(None, force=True)
     torch.set_num_threads(threads)
+    flight_hooks.install()  # a job starts here, as in each rank of `paratrain run` (launch/rank.py)
     try:
         topology = Topology.from_env().init(timeout=collective_timeout)
         buffer = io.BytesIO()

@@ -28,7 +28,7 @@ LAYERS = [
     {"session.facts", "session.session", "session"},
     {"plan.*"},                              # the planner reads the strategies' layout code
     {"plan.calibrate",                       # starts ranks with testing.run_on_ranks
-     "launch.run", "cli.*", "testing", "__init__", "__main__"},
+     "launch.run", "launch.rank", "cli.*", "testing", "__init__", "__main__"},
 ]
 
 

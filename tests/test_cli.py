@@ -110,14 +110,51 @@ def _running(pid: int) -> bool:
 
 def test_script_runs_on_every_rank_with_its_arguments_unchanged(job):
     cwd, out = job
-    proc = paratrain("run", "-n", "2", "worker.py", str(out), "ok", "--flag", "value", "-n", "5",
-                     cwd=cwd)
+    # prefixes of the launcher's own options and of torchrun's are the script's too
+    script_args = ["--flag", "value", "-n", "5", "--n", "5", "--max", "1", "--nproc", "4", "--ver"]
+    proc = paratrain("run", "-n", "2", "worker.py", str(out), "ok", *script_args, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank, seen in enumerate(results(out, 2)):
-        assert seen == dict(rank=rank, world=2, node=0, nodes=1, argv=["--flag", "value", "-n", "5"],
+        assert seen == dict(rank=rank, world=2, node=0, nodes=1, argv=script_args,
                             sum=3.0, malloc=str(2**30))  # cpu_malloc.py: freed blocks stay for the next step
         # the ranks exit as Python does (cli.py [Note: a quick exit]): the cycle is collected, its file flushed
         assert (out / f"log{rank}").read_text() == "buffered, never flushed by the script"
+
+
+def test_importing_paratrain_changes_nothing_in_torch(tmp_path):
+    check = ("import torch.distributed as d; f, p = d.all_reduce, d.P2POp.__init__; import paratrain; "
+             "assert d.all_reduce is f and d.P2POp.__init__ is p, 'torch.distributed was patched'")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+PLAIN = textwrap.dedent("""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import all_reduce  # taken before any paratrain code could run in a script
+
+    dist.init_process_group("gloo")
+    all_reduce(torch.ones(1))
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails after one all_reduce")
+    dist.barrier()
+""")
+
+
+def test_a_script_that_never_imports_paratrain_is_recorded_and_reported(tmp_path):
+    """Each rank `paratrain run` starts attaches the worker and the flight recorder before the script
+    runs (launch/rank.py): the failure summary names the rank's own exception (the worker's note)
+    and the collectives, with the script's lines (the recorder), though the script never imports
+    paratrain and took all_reduce from torch before anything else."""
+    (tmp_path / "plain.py").write_text(PLAIN)
+    proc = paratrain("run", "-n", "2", "--timeout", "20", "plain.py", cwd=tmp_path, timeout=90)
+    assert proc.returncode == 1
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("paratrain run:")]
+    assert summary[0].startswith("paratrain run: rank 1 failed (exit code 1"), summary
+    assert summary[0].endswith("ValueError: rank 1 fails after one all_reduce; see its output above"), summary
+    assert any("#0 all_reduce(float32[1]) on the world group (ranks 0, 1) at plain.py:7" in line
+               for line in summary), summary
+    assert any("rank 0 called barrier at plain.py:10" in line for line in summary), summary
 
 
 def test_failing_rank_fails_the_job_and_stops_the_others(job):
@@ -259,13 +296,16 @@ def test_version_from_the_console_script(tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("paratrain ")
 
 
+RANK = ["-m", "paratrain.launch.rank", "--"]  # every rank starts there (launch/rank.py)
+
+
 @pytest.mark.parametrize("argv,expected", [
     (["run", "-n", "4", "t.py", "--lr", "1"], ["--nproc-per-node", "4", "--max-restarts", "0",
-                                              "--standalone", "t.py", "--lr", "1"]),
+                                              "--standalone", *RANK, "t.py", "--lr", "1"]),
     (["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--max-restarts", "3",
       "-m", "pkg.train"],
      ["--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "static", "--nnodes", "2",
-      "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500", "-m", "pkg.train"]),
+      "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500", *RANK, "-m", "pkg.train"]),
 ])
 def test_torchrun_command_line(argv, expected):
     assert launch.torchrun_argv(cli.build_parser().parse_args(argv)) == expected
@@ -289,7 +329,7 @@ def test_two_nodes_meet_at_a_c10d_rendezvous_on_loopback(job):
     (["run", "--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "--tee", "3",
       "--local-addr", "10.0.0.2", "t.py"],
      ["--nproc-per-node", "1", "--max-restarts", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
-      "--rdzv-id", "paratrain", "--nnodes", "1:4", "--tee", "3", "--local-addr", "10.0.0.2", "t.py"]),
+      "--rdzv-id", "paratrain", "--nnodes", "1:4", "--tee", "3", "--local-addr", "10.0.0.2", *RANK, "t.py"]),
 ])
 def test_torchrun_flags_pass_through(argv, expected):
     assert launch.torchrun_argv(cli.build_parser().parse_args(argv)) == expected

@@ -50,11 +50,13 @@ def test_capacity_comes_from_the_environment():
 
 
 def test_switched_off_torch_functions_stay_torch_own():
-    code = "import paratrain, torch.distributed as d; print(d.all_reduce is d.distributed_c10d.all_reduce)"
+    code = ("import paratrain as pt, torch.distributed as d; pt.install_flight_recorder(); "
+            "print(d.all_reduce is d.distributed_c10d.all_reduce)")
     own = {v: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, "PARATRAIN_FLIGHT_RECORDER": v}).stdout.strip()
            for v in ("0", "16")}
     assert own == {"0": "True", "16": "False"}
+    flight_hooks.install()  # this process may not have started a Session yet
     original = flight_hooks._originals["all_reduce"]
     with flight_hooks.off():
         assert dist.all_reduce is original

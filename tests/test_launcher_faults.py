@@ -215,9 +215,9 @@ def test_a_teardown_crash_after_every_rank_finished_is_no_failure_of_the_job():
     assert not postmortem.finished_everywhere({0: postmortem.RankEnd(0, -6, 100, {}, ""), 1: _end(1, 0, "exit")})
 
 
-# Each rank ends its script; then rank 0 aborts in an exit handler that runs after paratrain's own
-# (registered before `import paratrain`: atexit runs the last registered first), once rank 1 has
-# finished too, as a crash in teardown would. ABORT=early: rank 0 aborts before its script ends.
+# Each rank ends its script (launch/rank.py notes it before any exit handler runs); then rank 0
+# aborts in an exit handler, once rank 1 has finished too, as a crash in teardown would.
+# ABORT=early: rank 0 aborts before its script ends.
 TEARDOWN = textwrap.dedent("""
     import atexit, os, sys, time
     out, when = sys.argv[1], sys.argv[2]

@@ -296,8 +296,9 @@ MUTANTS = [
     Mutant("cli-freezes-callers", "cli.main freezes the objects of a process that called it, not only the command's",
            (("    if argv is None:  # this process is the `paratrain` command", "    if True:  #"),),
            ("tests/test_cli.py::test_only_processes_paratrain_started_leave_their_imports_out_of_collection",)),
-    Mutant("ranks-freeze", "every process that imports paratrain, a rank included, freezes what exists then",
-           (("flight_hooks.install()  # every rank", "flight_hooks.install(); __import__('gc').freeze()  # every rank"),),
+    Mutant("ranks-freeze", "every rank `paratrain run` starts freezes what exists before its script runs",
+           (("    flight_hooks.install()\n    sys.argv = [target, *args]\n",
+             "    flight_hooks.install()\n    __import__('gc').freeze()\n    sys.argv = [target, *args]\n"),),
            ("tests/test_cli.py::test_script_runs_on_every_rank_with_its_arguments_unchanged",)),
     # the review of stop 39: what passed silently
     Mutant("ported-sampler-refused", "a ported DDP script's DistributedSampler is refused (or, before, replaced)",
@@ -318,6 +319,10 @@ MUTANTS = [
     Mutant("checkpoint-reads-outside", "a checkpoint's metadata may point a tensor at any file the job can read",
            (("    path = ckpt / name\n", "    path = ckpt / name\n    return path\n"),),
            ("tests/test_checkpoint_traversal.py",)),
+    # each rank `paratrain run` starts (launch/rank.py)
+    Mutant("script-end-unnoted", "a rank's note says the script ended only when its exit handlers are done",
+           (("    worker.script_ended()  # an exception instead", "    pass  # an exception instead"),),
+           ("tests/test_launcher_faults.py",)),
 ]
 
 

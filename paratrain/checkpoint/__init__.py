@@ -12,8 +12,20 @@ size or strategy, are atomic, checksummed and read only their own files.
     weights.py       a consolidated weights file loaded into any wrapped model
 """
 
-from paratrain.checkpoint.save_load import (CheckpointWarning, DamagedCheckpoint, describe, hyperparameter,
-                                            latest, load, lock_root, prune, resume, save, unlock_roots, verify)
+from paratrain.checkpoint.save_load import (
+                                            CheckpointWarning,
+                                            DamagedCheckpoint,
+                                            describe,
+                                            hyperparameter,
+                                            latest,
+                                            load,
+                                            lock_root,
+                                            prune,
+                                            resume,
+                                            save,
+                                            unlock_roots,
+                                            verify,
+)
 
 __all__ = ["save", "load", "resume", "latest", "prune", "verify", "describe", "lock_root", "unlock_roots",
            "hyperparameter", "DamagedCheckpoint", "CheckpointWarning"]

@@ -18,8 +18,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from paratrain.checkpoint.files import (ADVICE, DamagedCheckpoint, FileError, describe_failure, listed_files,
-                                        os_cause, own_file)
+from paratrain.checkpoint.files import (
+    ADVICE,
+    DamagedCheckpoint,
+    FileError,
+    describe_failure,
+    listed_files,
+    os_cause,
+    own_file,
+)
 from paratrain.errors import ConfigError, ParatrainError, UsageError
 
 # What a file's own state causes, read or written; anything else (a planner's assertion) is not its fault.

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paratrain.checkpoint.save_load import describe
 from paratrain.checkpoint.files import agree, rank
+from paratrain.checkpoint.save_load import describe
 from paratrain.errors import ConfigError
 from paratrain.parallel.base import names_by_first, state_pieces
 

@@ -98,8 +98,7 @@ def _sharded(pattern: str, local: torch.Tensor, layout: FlatLayout, shapes: dict
     """One ShardedTensor per parameter the flat shard touches: this rank's pieces are views of
     `local` (so loading writes straight into it), every rank's pieces are the global metadata."""
     from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import (Shard, ShardedTensor, ShardedTensorMetadata,
-                                                          TensorProperties)
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 
     everyone: dict[str, list[ShardMetadata]] = {}
     for rank in range(layout.world):

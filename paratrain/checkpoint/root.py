@@ -19,8 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from paratrain.checkpoint.files import (MARKER, CheckpointWarning, DamagedCheckpoint, agree, complete,
-                                        problems, rank)
+from paratrain.checkpoint.files import MARKER, CheckpointWarning, DamagedCheckpoint, agree, complete, problems, rank
 from paratrain.errors import ConfigError
 
 

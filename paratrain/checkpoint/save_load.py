@@ -28,14 +28,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.checkpoint.files import (ADVICE, MARKER, CheckpointWarning, DamagedCheckpoint, agree,
-                                        all_gather, describe_failure, digest, file_problem, listed_files,
-                                        next_sequence, os_cause, rank, world, write_marker)
+from paratrain.checkpoint.files import (
+    ADVICE,
+    MARKER,
+    CheckpointWarning,
+    DamagedCheckpoint,
+    agree,
+    all_gather,
+    describe_failure,
+    digest,
+    file_problem,
+    listed_files,
+    next_sequence,
+    os_cause,
+    rank,
+    world,
+    write_marker,
+)
+from paratrain.checkpoint.layout import layout_of, loaded, state_entries
 from paratrain.checkpoint.lock import check_not_locked, lock_root, unlock_roots
+from paratrain.checkpoint.random_state import json_of, json_tensor
 from paratrain.checkpoint.root import latest, prune, resume
 from paratrain.errors import CheckpointError, ConfigError
-from paratrain.checkpoint.random_state import json_of, json_tensor
-from paratrain.checkpoint.layout import layout_of, loaded, state_entries
 
 __all__ = ["save", "load", "resume", "latest", "prune", "verify", "describe", "lock_root", "unlock_roots",
            "DamagedCheckpoint", "CheckpointWarning"]

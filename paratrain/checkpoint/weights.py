@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.files import all_gather
+from paratrain.checkpoint.layout import layout_of, loaded, state_entries
 from paratrain.errors import ConfigError
 from paratrain.parallel.base import names_by_first
-from paratrain.checkpoint.layout import layout_of, loaded, state_entries
 
 Source = Union[str, os.PathLike, Mapping[str, torch.Tensor]]
 

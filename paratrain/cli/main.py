@@ -29,13 +29,20 @@ import torch
 
 from paratrain.cli.ckpt import add_ckpt_parser, ckpt
 from paratrain.cli.env import env
-from paratrain.errors import ParatrainError
-from paratrain.launch.run import add_run_parser, run
 from paratrain.cli.plan import add_plan_parser, plan
 from paratrain.cli.verify import add_verify_parser, verify
+from paratrain.errors import ParatrainError
+from paratrain.launch.run import add_run_parser, run
+
 
 class _Parser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line (no usage block), exit status 2."""
+    """An argparse parser whose errors are one line (no usage block), exit status 2, and which
+    takes no abbreviated options: everything after a script's name is the script's (`paratrain run
+    -n 2 train.py --n 5` gives train.py `--n 5`), and argparse matches abbreviations against every
+    word, the script's included (`--n` "could match --nnodes, --nproc-per-node")."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")

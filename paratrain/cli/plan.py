@@ -105,12 +105,13 @@ from pathlib import Path
 from paratrain.errors import ConfigError
 from paratrain.plan.calibrate import Settings, calibrate
 from paratrain.plan.cluster import Cluster, save_cluster
-from paratrain.plan.cluster_presets import PRESETS as CLUSTERS, load_cluster
-from paratrain.plan.optimizer_state import OPTIMIZERS
+from paratrain.plan.cluster_presets import PRESETS as CLUSTERS
+from paratrain.plan.cluster_presets import load_cluster
 from paratrain.plan.memory_table import describe_memory, memory_rows
 from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts
 from paratrain.plan.model_source import PRESETS as MODELS
 from paratrain.plan.model_source import resolve
+from paratrain.plan.optimizer_state import OPTIMIZERS
 from paratrain.plan.recommend import FLOPS_DTYPE, describe_plan, nodes_for, plan_rows, recommend, smallest_fit
 from paratrain.plan.scaling import draw, leaders, scaling
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from paratrain.errors import ConfigError
 from paratrain.debug.verify import DIR, INJECT, PROJECTIONS, STEPS, STRATEGY, TOLERANCES
+from paratrain.errors import ConfigError
 
 
 @dataclass

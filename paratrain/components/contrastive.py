@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from paratrain.distributed.comm import all_gather_cat, all_gather_with_grad
-from paratrain.errors import ConfigError
 from paratrain.distributed.grid import NodeGroups
+from paratrain.errors import ConfigError
 
 SCOPES = ("local", "node", "world")
 

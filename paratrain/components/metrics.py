@@ -24,9 +24,9 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from paratrain.components.sinks import open_sinks
 from paratrain.distributed.comm import all_reduce, group_device
 from paratrain.errors import UsageError
-from paratrain.components.sinks import open_sinks
 
 CSV_NAME = "metrics.csv"
 

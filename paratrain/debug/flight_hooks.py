@@ -4,14 +4,18 @@ torch has no Python hook that fires on every collective (its NCCL flight recorde
 for NCCL only), so `install()` replaces the module-level functions of `torch.distributed` —
 all_reduce, broadcast, all_gather*, reduce_scatter*, barrier, send/recv/isend/irecv,
 batch_isend_irecv and the object collectives (OPS) — with wrappers that record the call and then
-call torch's own function, keeping the originals (`uninstall()` puts them back). `import
-paratrain` installs them once, unless PARATRAIN_FLIGHT_RECORDER=0. Whoever looks a function up
+call torch's own function, keeping the originals (`uninstall()` puts them back). Importing
+paratrain does not: they are installed where a job starts, once, unless
+PARATRAIN_FLIGHT_RECORDER=0: by each rank `paratrain run` starts (launch/rank.py, before the
+script runs), by `Session()`, by testing.run_on_ranks' ranks, and by a user's own
+`pt.install_flight_recorder()`. Whoever looks a function up
 on `torch.distributed` when calling it goes through the wrapper: paratrain's strategies and
 distributed/comm.py, the plain `pt.DistributedDataParallel` (its bucket all-reduces, from autograd hooks),
 and the user's own `dist.all_reduce(...)` between Session calls.
 
 Not covered (these never pass through the wrappers):
-- functions taken before `import paratrain` (`from torch.distributed import all_reduce` above it),
+- functions taken before the hooks were installed (`from torch.distributed import all_reduce` at
+  the top of a script run outside `paratrain run`, which installs them before the script starts),
   or called through `torch.distributed.distributed_c10d` directly: torch's helpers call each
   other that way, so `all_gather_object` is recorded once, not with the gathers inside it;
 - collectives issued from C++: torch's own `torch.nn.parallel.DistributedDataParallel` reducer,
@@ -63,7 +67,10 @@ def installed() -> bool:
 
 
 def install() -> None:
-    """Wrap torch.distributed's functions (once; again after uninstall)."""
+    """Record every torch.distributed collective and p2p operation this process issues from now on
+    in the flight recorder, which `paratrain run` prints when a job fails or hangs (wraps
+    torch.distributed's functions; once, and again after uninstall). A Session and the ranks of
+    `paratrain run` call it themselves."""
     if installed() or not dist.is_available() or RECORDER.capacity == 0:
         return
     for name in OPS:

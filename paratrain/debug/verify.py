@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.errors import ConfigError
 from paratrain.checkpoint.layout import layout_of
+from paratrain.errors import ConfigError
 
 DIR, STEPS, STRATEGY, INJECT = ("PARATRAIN_VERIFY", "PARATRAIN_VERIFY_STEPS", "PARATRAIN_VERIFY_STRATEGY",
                                 "PARATRAIN_VERIFY_INJECT")

@@ -24,8 +24,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from paratrain.errors import UsageError
 from paratrain.distributed.grid import new_group  # noqa: F401  (the one place groups are made)
+from paratrain.errors import UsageError
 
 SUM = dist.ReduceOp.SUM
 

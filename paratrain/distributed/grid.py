@@ -27,8 +27,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from paratrain.errors import ConfigError
 from paratrain.distributed.topology import Topology, resolve_timeout
+from paratrain.errors import ConfigError
 
 DIMS = ("pp", "dp", "local", "node")
 

@@ -27,13 +27,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from paratrain.launch import cpu_malloc
-
 from paratrain.debug import postmortem
-
-from paratrain.launch import worker
-from paratrain.errors import ConfigError
 from paratrain.distributed.topology import pick_backend
+from paratrain.errors import ConfigError
+from paratrain.launch import cpu_malloc, worker
 
 TORCHRUN_DEFAULT_PORT = 29500  # what torchrun uses for a static rendezvous with no --master-port
 PASSED_THROUGH = ("log_dir", "redirects", "tee", "local_addr")  # torchrun's own, unchanged
@@ -239,6 +236,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     for name in PASSED_THROUGH:
         if getattr(args, name):
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    if args.module:
-        argv += ["-m"]
-    return argv + [args.target, *args.args]
+    # every rank starts in launch/rank.py, which attaches the worker and the flight recorder and
+    # then runs the target; after "--" torchrun's parser reads none of the script's arguments
+    # (`--n 5` would be an ambiguous abbreviation of its --nnodes/--nproc-per-node)
+    return argv + ["-m", "paratrain.launch.rank", "--", *(["-m"] if args.module else []), args.target, *args.args]

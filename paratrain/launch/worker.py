@@ -1,7 +1,8 @@
 """What a rank started by `paratrain run` does for its launcher: die with it, and leave a note.
 
-`attach()` runs on `import paratrain`, before torch is imported, and does nothing in any process
-that `paratrain run` did not start itself (plain python, torchrun, srun, a rank's own children).
+`attach()` runs first thing in each rank `paratrain run` starts (launch/rank.py), and does nothing
+in any process that `paratrain run` did not start itself (plain python, torchrun, srun, a rank's
+own children).
 
 [Note: workers die with their launcher]
 `paratrain run` runs torch's elastic agent inside its own process (cli.run calls
@@ -128,6 +129,18 @@ def _leave_notes(directory: str, env, *, rank: int, attempt: int) -> None:
 
     sys.excepthook = excepthook
     atexit.register(at_exit)
+    _ends.append(at_exit)
+
+
+_ends: list = []  # the note's exit, once attached: script_ended() writes it
+
+
+def script_ended() -> None:
+    """The script ran to its end (or called sys.exit): note it now, before the interpreter's exit
+    handlers run, so that a crash in one of them (a library's teardown) is not taken for a rank
+    that failed in its script (launch/rank.py calls this; at exit it is noted again)."""
+    for end in _ends:
+        end()
 
 
 def note_preempted(checkpoint: str, env=os.environ) -> None:

@@ -38,11 +38,11 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
-from paratrain.errors import UsageError
-from paratrain.distributed.grid import ProcessGrid
 from paratrain.components.materialize import MetaInit
 from paratrain.components.optim import check_optimizer_owns
+from paratrain.distributed.grid import ProcessGrid
 from paratrain.distributed.topology import Topology
+from paratrain.errors import UsageError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

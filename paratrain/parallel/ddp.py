@@ -32,10 +32,10 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils._pytree import tree_flatten, tree_map
 
-from paratrain.distributed.comm import broadcast_coalesced
-from paratrain.errors import ConfigError, UsageError
-from paratrain.distributed.grid import ProcessGrid
 from paratrain.components.materialize import MetaInit, whole
+from paratrain.distributed.comm import broadcast_coalesced
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.errors import ConfigError, UsageError
 from paratrain.parallel.base import ParallelModule, Strategy, owned
 from paratrain.parallel.buckets import AllReduce, ReducedSums, Reduction, default_caps
 from paratrain.parallel.comm_hooks import CommHookReduction, check_comm_hook

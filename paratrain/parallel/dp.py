@@ -35,9 +35,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from paratrain.errors import ConfigError
-from paratrain.distributed.grid import ProcessGrid
 from paratrain.components.materialize import MetaInit, whole
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.errors import ConfigError
 from paratrain.parallel.base import LossFn, ParallelModule, Strategy, backward_no_autocast, owned, scaled
 
 Device = torch.device | str | int

@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.distributed.comm import ByteCounter, all_gather_single, reduce_scatter_single, ring_bytes
-from paratrain.errors import ConfigError
-from paratrain.distributed.grid import NodeGroups, ProcessGrid
 from paratrain.components.materialize import MetaInit, whole
+from paratrain.distributed.comm import ByteCounter, all_gather_single, reduce_scatter_single, ring_bytes
+from paratrain.distributed.grid import NodeGroups, ProcessGrid
+from paratrain.errors import ConfigError
 from paratrain.parallel.base import owned
 from paratrain.parallel.buckets import Bucket, Reduction
 from paratrain.parallel.ddp import DDP, DistributedDataParallel

@@ -24,9 +24,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from paratrain.errors import ConfigError
-from paratrain.distributed.grid import ProcessGrid
 from paratrain.components.materialize import MetaInit, whole
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.errors import ConfigError
 from paratrain.parallel.base import LossFn, ParallelModule, Strategy, owned
 from paratrain.parallel.pipeline.partition import BALANCES, layer_costs, split_model
 

@@ -8,9 +8,9 @@ from typing import Any
 
 from torch import nn
 
-from paratrain.errors import ConfigError
-from paratrain.distributed.grid import ProcessGrid
 from paratrain.components.materialize import MetaInit, whole
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.errors import ConfigError
 from paratrain.parallel.base import ParallelModule, Strategy, owned
 
 

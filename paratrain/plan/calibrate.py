@@ -39,14 +39,23 @@ import torch
 import torch.distributed as dist
 
 from paratrain.distributed.comm import all_gather_single, reduce_scatter_single
-from paratrain.launch.cpu_malloc import keep_freed_blocks
+from paratrain.distributed.topology import Topology
 from paratrain.errors import ConfigError
+from paratrain.launch.cpu_malloc import keep_freed_blocks
+from paratrain.plan.calibrate_compute import (
+    DTYPES,
+    Settings,
+    elementwise_rate,
+    matmul_rates,
+    matmul_table,
+    optimizer_rate,
+    optimizer_table,
+    sync_device,
+    traffic_rate,
+)
 from paratrain.plan.cluster import Cluster, Link
 from paratrain.plan.comm_model import TERMS, Terms
-from paratrain.plan.calibrate_compute import (DTYPES, Settings, elementwise_rate, matmul_rates, matmul_table,
-                                               optimizer_rate, optimizer_table, sync_device, traffic_rate)
 from paratrain.testing import run_on_ranks
-from paratrain.distributed.topology import Topology
 
 
 @dataclass

@@ -53,13 +53,13 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from paratrain.components.activation_checkpointing import Which, checkpoint_activations, select
+from paratrain.components.precision import PRECISIONS
 from paratrain.errors import ConfigError
 from paratrain.plan.block_regions import BlockRegions
 from paratrain.plan.fake_step import CPU_ATTENTION_FLOPS, Lifetimes, faked, fused_attention
 from paratrain.plan.matmuls import Matmuls, Recorder, Traffic, extend_matmuls, scaling
 from paratrain.plan.model_source import ModelSource
 from paratrain.plan.repeated_blocks import Stack, cut, extend, extend_blocks, find_stack
-from paratrain.components.precision import PRECISIONS
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from paratrain.errors import ConfigError
 from paratrain.components.metrics import MetricsLogger
+from paratrain.errors import ConfigError
 from paratrain.session.progress import batch_len
 
 if TYPE_CHECKING:

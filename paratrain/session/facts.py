@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from paratrain.components.contrastive import Gathered, gather_embeddings
-from paratrain.errors import UsageError
 from paratrain.data.loader import shard_loader, to_device
+from paratrain.errors import UsageError
 from paratrain.parallel.base import ParallelModule, full_state_dict, uncompiled
 from paratrain.session.preemption import SIGNALS
 from paratrain.session.progress import progress

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from paratrain.launch import worker
 from paratrain.distributed.comm import group_device
+from paratrain.launch import worker
 
 if TYPE_CHECKING:
     from paratrain.session.session import Session

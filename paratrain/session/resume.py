@@ -38,15 +38,14 @@ import torch
 import torch.distributed as dist
 
 from paratrain import checkpoint
-
 from paratrain.checkpoint import files as checkpoint_files
-from paratrain.distributed.comm import group_device
 from paratrain.checkpoint.export import export_model
+from paratrain.checkpoint.layout import layout_of
+from paratrain.checkpoint.random_state import rng_state, rng_tensors, set_rng_state
 from paratrain.data.loader import ShardedLoader
+from paratrain.distributed.comm import group_device
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.parallel.base import ParallelModule
-from paratrain.checkpoint.random_state import rng_state, rng_tensors, set_rng_state
-from paratrain.checkpoint.layout import layout_of
 
 if TYPE_CHECKING:
     from paratrain.session.session import Session

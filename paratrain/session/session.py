@@ -29,22 +29,23 @@ from torch.utils.data import DataLoader
 from paratrain import checkpoint
 from paratrain.components.accumulation import MicroBatch, TokenWeights
 from paratrain.components.activation_checkpointing import Which, checkpoint_activations
+from paratrain.components.materialize import MetaInit
+from paratrain.components.optim import Given, describe, retire_replaced
+from paratrain.components.precision import GradScaler, autocast_dtype, scaler_for
 from paratrain.data.batch import label_shift, unpack
 from paratrain.data.loader import to_device
-from paratrain.components.materialize import MetaInit
+from paratrain.debug import flight_hooks
+from paratrain.debug.verify import StepRecorder
+from paratrain.distributed.topology import Topology, destroy
 from paratrain.errors import ConfigError, UsageError
-from paratrain.session.autolog import Logging, open_metrics
-from paratrain.components.optim import Given, describe, retire_replaced
 from paratrain.parallel.base import ParallelModule, Strategy, backward_no_autocast, check_loss, scaled, uncompiled
-from paratrain.session.preemption import Preemption, after_optimizer_step
-from paratrain.components.precision import GradScaler, autocast_dtype, scaler_for
-from paratrain.session.resume import SessionCheckpoints, note_micro_step, position
+from paratrain.parallel.registry import resolve
+from paratrain.session.autolog import Logging, open_metrics
 from paratrain.session.facts import JobFacts
+from paratrain.session.preemption import Preemption, after_optimizer_step
+from paratrain.session.resume import SessionCheckpoints, note_micro_step, position
 from paratrain.session.step import DeviceCheck, LossLog, optimizer_step
 from paratrain.session.watch import StepWarnings, StepWatch
-from paratrain.parallel.registry import resolve
-from paratrain.distributed.topology import Topology, destroy
-from paratrain.debug.verify import StepRecorder
 
 
 class Session(JobFacts, SessionCheckpoints):
@@ -89,6 +90,7 @@ class Session(JobFacts, SessionCheckpoints):
                  activation_checkpointing: Which | None = None, step_warnings: StepWarnings | None = StepWarnings()):
         if accumulate < 1:
             raise ConfigError(f"accumulate must be at least 1; got {accumulate}")
+        flight_hooks.install()  # a job starts here: record its collectives (debug/flight_hooks.py)
         self.precision, self.autocast_dtype = precision, autocast_dtype(precision)
         self.scaler = scaler_for(precision, grad_scaler)
         self._weights = TokenWeights()  # token weights of this accumulation window

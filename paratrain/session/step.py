@@ -34,11 +34,11 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from paratrain.components.accumulation import TokenWeights
+from paratrain.components.optim import skips_on_device
+from paratrain.components.precision import GradScaler
 from paratrain.distributed.comm import sum_over
 from paratrain.errors import UsageError
-from paratrain.components.optim import skips_on_device
 from paratrain.parallel.base import ParallelModule
-from paratrain.components.precision import GradScaler
 
 
 class StepResult(NamedTuple):

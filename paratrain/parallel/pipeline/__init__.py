@@ -8,8 +8,7 @@ from paratrain.parallel.pipeline.partition import boundaries, layer_costs, split
 from paratrain.parallel.pipeline.schedules import SCHEDULES, gpipe, one_f_one_b
 from paratrain.parallel.pipeline.stage import PipelineStage
 from paratrain.parallel.pipeline.strategy import Pipeline, stage_optimizer
-from paratrain.parallel.pipeline.timeline import (Event, Kind, draw, idle_fraction, peak_in_flight,
-                                                  replay)
+from paratrain.parallel.pipeline.timeline import Event, Kind, draw, idle_fraction, peak_in_flight, replay
 
 __all__ = ["Pipeline", "PipelineStage", "Cut", "SCHEDULES", "gpipe", "one_f_one_b", "split_model",
            "layer_costs", "boundaries", "stage_optimizer", "Event", "Kind", "idle_fraction",

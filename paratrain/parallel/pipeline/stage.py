@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from paratrain.components.optim import clip_grad_norm_over
 from paratrain.distributed import comm
 from paratrain.errors import ConfigError, UsageError
-from paratrain.components.optim import clip_grad_norm_over
 from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule, backward_no_autocast, check_loss, user_key
 from paratrain.parallel.buckets import AllReduce, default_caps
 from paratrain.parallel.grad_sync import GradSync

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.distributed import comm
-from paratrain.distributed.comm import broadcast_coalesced
-from paratrain.errors import ConfigError
-from paratrain.distributed.grid import ProcessGrid
 from paratrain.components.materialize import Materializer, MetaInit, has_meta
 from paratrain.components.optim import rebuild_optimizer
+from paratrain.distributed import comm
+from paratrain.distributed.comm import broadcast_coalesced
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.distributed.topology import Topology
+from paratrain.errors import ConfigError
 from paratrain.parallel.base import Strategy, uncompiled
 from paratrain.parallel.pipeline.adapters import cut_for
 from paratrain.parallel.pipeline.cut import Cut
@@ -33,7 +34,6 @@ from paratrain.parallel.pipeline.plan import StagePlan, plan_cut, plan_sequentia
 from paratrain.parallel.pipeline.schedules import SCHEDULES
 from paratrain.parallel.pipeline.stage import PipelineStage
 from paratrain.parallel.pipeline.tied import TiedWeights, holders
-from paratrain.distributed.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -21,16 +21,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paratrain.distributed.comm import group_device
-from paratrain.errors import ConfigError
-from paratrain.distributed.grid import ProcessGrid
 from paratrain.components.materialize import MetaInit, has_meta, whole
 from paratrain.components.optim import rebuild_optimizer
+from paratrain.distributed.comm import group_device
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.errors import ConfigError
 from paratrain.parallel.base import Strategy
 from paratrain.parallel.zero.collectives import OwnerCollectives
 from paratrain.parallel.zero.optim import check_steps_on_cpu, param_groups_of
-from paratrain.parallel.zero.stage12 import ShardedOptimizer, ZeroDataParallel, shard_data_parallel
 from paratrain.parallel.zero.stage3 import FullyShardedDataParallel
+from paratrain.parallel.zero.stage12 import ShardedOptimizer, ZeroDataParallel, shard_data_parallel
 from paratrain.parallel.zero.wrap_policy import DEFAULT_WRAP_POLICY, WrapPolicy
 
 __all__ = ["ZeRO", "shard", "WrapPolicy", "OwnerCollectives", "ZeroDataParallel", "ShardedOptimizer",

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratrain.errors import ConfigError
 from paratrain.components.optim import check_optimizer_owns, rebuild_optimizer
+from paratrain.errors import ConfigError
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:

@@ -33,16 +33,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.distributed.comm import all_gather_single, broadcast_coalesced
-from paratrain.errors import ConfigError, UsageError
 from paratrain.components.optim import clip_grad_norm_over, rebuild_optimizer, skips_on_device
 from paratrain.components.precision import cast_floating
+from paratrain.distributed.comm import all_gather_single, broadcast_coalesced
+from paratrain.errors import ConfigError, UsageError
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, names_by_first, user_key
 from paratrain.parallel.buckets import Bucket
 from paratrain.parallel.ddp import DistributedDataParallel
 from paratrain.parallel.zero.collectives import OwnerCollectives, gather_from_owners, reduced_sums_for
-from paratrain.parallel.zero.owner_reduction import OwnerReduction, ScatterToOwners
 from paratrain.parallel.zero.optim import param_groups_of
+from paratrain.parallel.zero.owner_reduction import OwnerReduction, ScatterToOwners
 
 
 class ZeroDataParallel(DistributedDataParallel):

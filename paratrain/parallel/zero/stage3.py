@@ -35,11 +35,11 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from paratrain.distributed.comm import broadcast_coalesced, group_device
-from paratrain.errors import UsageError
 from paratrain.components.materialize import Materializer, MetaInit, has_meta
 from paratrain.components.optim import clip_grad_norm_over
 from paratrain.components.precision import cast_floating
+from paratrain.distributed.comm import broadcast_coalesced, group_device
+from paratrain.errors import UsageError
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, ParallelModule, uncompiled, user_key
 from paratrain.parallel.zero.collectives import OwnerCollectives, reduced_sums_for
 from paratrain.parallel.zero.flat_shard import FlatShard, refuse_unseen

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-
 # Containers whose forward nobody calls (their owner iterates them, as nn.TransformerEncoder does
 # its `layers`): a unit's gather runs in its forward hooks, which would never fire. Their members
 # may be units; their owner is chosen in their place.
