@@ -56,6 +56,7 @@ def single(tmp_path_factory) -> tuple[float, list[dict]]:
     return loss, read_rows(out)
 
 
+@pytest.mark.slow
 def test_single_run_learns(single):
     assert single[0] < UNIFORM - 1.2
 

@@ -154,6 +154,7 @@ def test_a_factory_that_raises_is_named(capsys, tmp_path, monkeypatch):
                    "RuntimeError: no weights here\n")
 
 
+@pytest.mark.multiprocess  # calibrate times collectives on ranks it starts
 def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path, monkeypatch):
     tiny = cal.Settings(sizes=(2**10, 2**20, 2**22), repeats=1, trials=3, matmul_size=64, matmul_seconds=0.02,
                         matmul_grid=(8, 64), shape_seconds=0.003, optimizer_sizes=(2**10, 2**14),
@@ -187,6 +188,7 @@ def test_calibrating_on_one_gpu_says_what_to_do(capsys, tmp_path, monkeypatch):
     assert not (tmp_path / "gpu.json").exists()
 
 
+@pytest.mark.slow
 def test_a_transformers_config_file(capsys, tmp_path):
     """A Llama of width 64, 3 layers, 4 heads (2 key/value heads), MLP 128, vocabulary 100:
     2·V·C + L·(2·C² + 2·C·kv·C/heads + 3·C·I + 2·C) + C parameters; its context length is the
@@ -201,6 +203,7 @@ def test_a_transformers_config_file(capsys, tmp_path):
     assert model["params"] == 2 * 100 * c + layers * (2 * c * c + 2 * c * 2 * 16 + 3 * c * 128 + 2 * c) + c
 
 
+@pytest.mark.slow
 def test_gpus_and_a_cluster_time_each_strategy_and_recommend_the_fastest_that_fits(capsys):
     """The issue's own command: a table and a recommendation in a few seconds, from fake tensors."""
     import time
@@ -228,6 +231,7 @@ def test_gpus_and_a_cluster_time_each_strategy_and_recommend_the_fastest_that_fi
     assert by["zero3"]["comm_seconds"] > by["ddp"]["comm_seconds"] and by["zero3"]["device_peak"] < by["ddp"]["device_peak"]
 
 
+@pytest.mark.slow
 def test_offload_rows_step_on_the_host_and_copy_over_its_link(capsys, tmp_path):
     """On a GPU cluster ZeRO's stages with offload are rows of their own: the host's cores step
     this rank's shards (at the preset's host rate) and the copies over PCIe are exposed (step_time.
@@ -257,6 +261,7 @@ def test_offload_rows_step_on_the_host_and_copy_over_its_link(capsys, tmp_path):
     assert not [r for r in cpu["strategies"] if "offload" in r["label"]]
 
 
+@pytest.mark.slow
 def test_accumulate_runs_the_batch_as_micro_batches_and_synchronises_once(capsys):
     """--accumulate 4: the same optimizer step of 16 samples as 4 micro-batches of 4, so a quarter of
     the activations, the same state, ddp's all-reduce once and zero3's gathers in every one."""
@@ -281,6 +286,7 @@ def test_accumulate_runs_the_batch_as_micro_batches_and_synchronises_once(capsys
     assert pipelines == ["pipeline 4x4", "pipeline 2x2"]  # micro-batches of a micro-batch of 4
 
 
+@pytest.mark.slow
 def test_a_model_that_fits_nowhere_says_what_would_fit(capsys):
     code, out, err = run(capsys, "llama-2-70b", "--gpus", "8", "--cluster", "h100-8x", "--batch", "8",
                          "--seq", "4096", "--precision", "bf16")
@@ -322,6 +328,7 @@ def test_png_draws_throughput_and_memory_from_1_to_1024_devices(capsys, tmp_path
     assert code == 2 and "--png draws the strategies' predictions: give --gpus N and --cluster too" in err
 
 
+@pytest.mark.slow
 def test_nodes_spreads_the_devices_and_the_gradients_cross_the_slower_link(capsys):
     """The same 8 devices of h100-8x on 1 node and on 2: DDP's all-reduce leaves the node, paced by
     InfiniBand (50 GB/s) instead of NVLink (450 GB/s), so its step is slower; each comm time is
@@ -409,6 +416,7 @@ def test_ddp_and_zero3_copy_each_gradient_into_their_buffers_once_per_backward()
                                                            + zero3_local_copies(grads, here, world=1))
 
 
+@pytest.mark.slow
 def test_every_strategy_plans_the_same_on_the_shared_model_as_on_a_fresh_one():
     """A plan reads one model, built once (ModelSource.shared), for every strategy's memory and
     time: planning some strategies first must not change what another one gets."""

@@ -241,6 +241,7 @@ def test_a_pipelines_stages_split_the_activations_by_their_blocks_and_lose_none(
     assert split[1].activations > split[0].activations
 
 
+@pytest.mark.slow
 def test_a_stack_counted_from_one_and_two_blocks_equals_the_whole_count():
     shortcut = model_facts(source(lambda: GPT(layers=5)), B, T)
     whole = model_facts(source(lambda: GPT(layers=5)), B, T, exact=True)
@@ -250,6 +251,7 @@ def test_a_stack_counted_from_one_and_two_blocks_equals_the_whole_count():
     assert same(shortcut.step, whole.step) and same(shortcut.checkpointed, whole.checkpointed)
 
 
+@pytest.mark.slow
 def test_a_forward_that_picks_blocks_by_index_is_counted_whole():
     class ByIndex(GPT):
         def forward(self, idx):
@@ -279,6 +281,7 @@ def test_presets_have_the_published_sizes():
     assert resolve("llama-3-70b").build().num_parameters() == llama(128256, 8192, 28672, 80, 64, 8)
 
 
+@pytest.mark.slow
 def test_llama_2_70b_is_counted_in_seconds_without_memory():
     start = time.monotonic()
     facts = model_facts(resolve("llama-2-70b"), 1, 4096, precision="bf16")
