@@ -10,11 +10,14 @@ mallopt.
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import os
+import platform
 import re
 import statistics
+import subprocess
 import time
 import warnings
 from pathlib import Path
@@ -300,6 +303,20 @@ def load_at_start(args: argparse.Namespace) -> tuple:
     return load
 
 
+def provenance() -> dict:
+    """Where and when results were measured, for the benchmark pages (tools/bench_pages.py): the
+    commit (with "+dirty" when the tree had changes), the host and its cores, the UTC date."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
+                              capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return dict(commit=commit + ("+dirty" if dirty else ""), host=f"{platform.node()} ({os.cpu_count()} cores)",
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+
+
 def write_results(args: argparse.Namespace, settings: dict, load_before: tuple, *, ranks: int,
                   **results) -> None:
     """Write `settings` (with torch's version, --quick, --force and the load averages before and
@@ -309,7 +326,8 @@ def write_results(args: argparse.Namespace, settings: dict, load_before: tuple, 
     load_after = os.getloadavg()
     refuse_busy_machine(args, ranks, before=load_before, after=load_after)
     settings = dict(settings, torch=torch.__version__, quick=args.quick, forced=args.force,
-                    load_average_before=load_before, load_average_after=load_after, busy_ranks=ranks)
+                    load_average_before=load_before, load_average_after=load_after, busy_ranks=ranks,
+                    **provenance())
     write_json(args.out, dict(settings=settings, **results))
     print(f"wrote {args.out}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"(its own {ranks} ranks included)")

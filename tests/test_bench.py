@@ -20,6 +20,20 @@ def _args(tmp_path, force=False):
 def _loads(monkeypatch, now, cores=2):
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     monkeypatch.setattr(os, "getloadavg", lambda: (now, 1.0, 1.0))
+    monkeypatch.setattr(common, "provenance", lambda: dict(commit="abc1234", host="h", date="d"))  # no git here
+
+
+def test_results_record_their_commit_host_and_date(tmp_path, monkeypatch):
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH, capture_output=True, text=True)
+    found = common.provenance()
+    assert found["commit"].removesuffix("+dirty") == (head.stdout.strip() or "unknown")
+    assert f"({os.cpu_count()} cores)" in found["host"] and found["date"].endswith(" UTC")
+    _loads(monkeypatch, 1.0)
+    common.write_results(_args(tmp_path), {}, (0.3, 1.0, 1.0), ranks=0, models={})
+    settings = json.loads((tmp_path / "results.json").read_text())["settings"]
+    assert (settings["commit"], settings["host"], settings["date"]) == ("abc1234", "h", "d")
 
 
 @pytest.mark.parametrize("before,after,busy", [

@@ -28,6 +28,7 @@ def test_the_v100_dgx2h_preset_validates_and_says_where_each_figure_comes_from()
         assert cluster.sources[figure]
 
 
+@pytest.mark.slow
 def test_equation_3_is_the_flops_the_planner_counts_within_2_percent():
     """Narayanan et al.'s Eq. (3) leaves out what is not a matmul; model_probe counts matmuls and
     attention with the recompute, so the two agree closely for the bench's 1.2B GPT."""
@@ -36,6 +37,7 @@ def test_equation_3_is_the_flops_the_planner_counts_within_2_percent():
     assert step.flops_forward + step.flops_backward == pytest.approx(gpt.flops(8), rel=0.02)
 
 
+@pytest.mark.slow
 def test_the_bench_writes_every_setting_with_its_reference_and_error(tmp_path, capsys):
     out = tmp_path / "published.json"
     plan_published.main(["--out", str(out)])
@@ -53,10 +55,10 @@ def test_the_bench_writes_every_setting_with_its_reference_and_error(tmp_path, c
     assert "within 25 %:" in capsys.readouterr().out
 
 
-def test_readme_table_is_the_committed_results():
-    """Each compared row of bench/results/plan_published.json is a line of the README's table."""
+def test_docs_table_is_the_committed_results():
+    """Each compared row of bench/results/plan_published.json is a line of docs/plan.md's table."""
     rows = json.load(open(os.path.join(ROOT, "bench", "results", "plan_published.json")))["rows"]
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "plan.md")).read()
     assert [r["published"] for r in rows] == [s.published for s in plan_published.SETTINGS]
     for row in rows:
         if row["error"] is not None:
