@@ -48,7 +48,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_force, load_at_start, peak_rss_mb, print_table, reset_peak_rss,  # noqa: E402
+from common import (add_write_options, load_at_start, peak_rss_mb, print_table, reset_peak_rss,  # noqa: E402
                     return_freed_memory_to_os, rss_mb, write_results)
 
 import paratrain as pt  # noqa: E402
@@ -169,7 +169,7 @@ def main(argv=None) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {','.join(CONFIGS)}")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "big_model.json"))
     parser.add_argument("--quick", action="store_true", help="a small GPT, for a smoke check")
-    add_force(parser)
+    add_write_options(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.width, args.heads, args.vocab, args.seq = 2, 128, 4, 1000, 32

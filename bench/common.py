@@ -328,16 +328,30 @@ def write_results(args: argparse.Namespace, settings: dict, load_before: tuple, 
     settings = dict(settings, torch=torch.__version__, quick=args.quick, forced=args.force,
                     load_average_before=load_before, load_average_after=load_after, busy_ranks=ranks,
                     **provenance())
-    write_json(args.out, dict(settings=settings, **results))
+    write_json(args.out, dict(settings=settings, **(results if getattr(args, "raw", False) else drop_rounds(results))))
     print(f"wrote {args.out}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"(its own {ranks} ranks included)")
 
 
-def add_force(parser: argparse.ArgumentParser) -> None:
-    """--force: write results even from a busy machine (see `refuse_busy_machine`)."""
+def add_write_options(parser: argparse.ArgumentParser) -> None:
+    """--force: write results even from a busy machine (see `refuse_busy_machine`); --raw: keep
+    the per-round timings in them (see `drop_rounds`)."""
     parser.add_argument("--force", action="store_true",
                         help=f"write the results even when the 1-minute load average exceeds "
                              f"{BUSY_LOAD_PER_CORE} x cores before or after the run")
+    parser.add_argument("--raw", action="store_true",
+                        help="keep each round's timings (*_round_ms) in the JSON, for a local look: "
+                             "the committed results hold the summaries")
+
+
+def drop_rounds(value):
+    """`value` without its per-round timings: every key ending in _round_ms, at any depth. The
+    summaries (medians, ratios, their errors) are computed from them before."""
+    if isinstance(value, dict):
+        return {k: drop_rounds(v) for k, v in value.items() if not k.endswith("_round_ms")}
+    if isinstance(value, list):
+        return [drop_rounds(v) for v in value]
+    return value
 
 
 def bench_parser(doc: str, *, out_name: str, rounds: int, steps: int, warmup: int,
@@ -353,7 +367,7 @@ def bench_parser(doc: str, *, out_name: str, rounds: int, steps: int, warmup: in
                         help="where to write the JSON results")
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings for a smoke check (options given explicitly still win)")
-    add_force(parser)
+    add_write_options(parser)
     return parser
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
 import paratrain as pt  # noqa: E402
-from common import add_force, load_at_start, make_batches, make_model, print_table, write_results  # noqa: E402
+from common import add_write_options, load_at_start, make_batches, make_model, print_table, write_results  # noqa: E402
 from paratrain.launch.cpu_malloc import keep_freed_blocks  # noqa: E402
 from paratrain.testing import run_on_ranks  # noqa: E402
 
@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "cpu_malloc.json"))
     parser.add_argument("--quick", action="store_true", help="1 round, 2 steps: a smoke check")
-    add_force(parser)
+    add_write_options(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 2, 1

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_force, load_at_start, make_batches, make_model, train_step, write_results  # noqa: E402
+from common import add_write_options, load_at_start, make_batches, make_model, train_step, write_results  # noqa: E402
 
 import paratrain as pt  # noqa: E402
 from paratrain.debug import flight_hooks  # noqa: E402
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(RESULTS, "flight_recorder.json"))
     parser.add_argument("--quick", action="store_true", help="a smoke check: few calls and rounds")
-    add_force(parser)
+    add_write_options(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.calls, args.rounds = 20, 2

@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
 import paratrain  # noqa: E402
-from common import add_force, load_at_start, print_table, write_results  # noqa: E402
+from common import add_write_options, load_at_start, print_table, write_results  # noqa: E402
 
 SCRIPT = '''\
 import time
@@ -118,7 +118,7 @@ def _parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "launch.json"),
                         help="where to write the JSON results")
     parser.add_argument("--quick", action="store_true", help="2 rounds, no warm-up: a smoke check")
-    add_force(parser)
+    add_write_options(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.warmup = 2, 0

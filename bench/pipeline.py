@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
-from common import (SEQ, add_force, interleave, load_at_start, make_batches, make_model, peak_rss_mb,  # noqa: E402
+from common import (SEQ, add_write_options, interleave, load_at_start, make_batches, make_model, peak_rss_mb,  # noqa: E402
                     print_table, reset_peak_rss, return_freed_memory_to_os, rss_mb, slowest_rank, write_results)
 from paratrain.parallel.pipeline import Cut, Pipeline, split_model  # noqa: E402
 from paratrain.parallel.pipeline.cut import prune  # noqa: E402
@@ -327,7 +327,7 @@ def _parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline.json"))
     parser.add_argument("--gpt-batch", type=int, default=32, help="sequences of 64 tokens per step (phase 4)")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke check")
-    add_force(parser)
+    add_write_options(parser)
     args = parser.parse_args(argv)
     if args.quick:
         parser.set_defaults(rounds=2, steps=2, warmup=1, batch=256, microbatches=[4, 8], gpt_batch=8)

@@ -1,4 +1,4 @@
-"""Benchmark: what `paratrain plan` predicts against what runs here measure (issue 12, part 4).
+"""Benchmark: what `paratrain plan` predicts against what runs here measure.
 
     python bench/plan_accuracy.py [--cluster FILE] [--worlds 1,2,4] [--models mlp,transformer]
                                   [--strategies ddp,zero1,zero2,zero3,pipeline] [--steps 6]
@@ -26,8 +26,8 @@ the larger rank's.
 Predicted, from the same model built on the meta device: the fullest rank's device peak
 (plan/memory.py, with model_probe's activations for the global batch and the runs' loss) and the step time
 (plan/recommend.predict_time: step_time.py over traffic.py's messages) on the cluster file,
-`--cluster`, or one `paratrain plan --calibrate` writes first into bench/results/cpu_calibration.json.
-Targets (issue 12): step time within 15 %, peak memory within 10 %, in every case.
+`--cluster`, or one `paratrain plan --calibrate` writes first into bench/inputs/cpu_calibration.json (a planner input, not a result).
+Targets: step time within 15 %, peak memory within 10 %, in every case.
 `--accumulate K`: every step is K micro-batches of the same global batch, Session(accumulate=K),
 against `paratrain plan --accumulate K` (not one of the issue's 28 cases: the second command).
 
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, pipeline.py, for the ranks too
 import paratrain as pt  # noqa: E402
-from common import SEQ, add_force, file_rss_mb, make_batches, make_model, peak_rss_mb, print_table, reset_peak_rss, return_freed_memory_to_os, rss_mb, load_at_start, write_results  # noqa: E402
+from common import SEQ, add_write_options, file_rss_mb, make_batches, make_model, peak_rss_mb, print_table, reset_peak_rss, return_freed_memory_to_os, rss_mb, load_at_start, write_results  # noqa: E402
 from paratrain.launch.cpu_malloc import keep_freed_blocks  # noqa: E402
 from paratrain.plan.calibrate import Settings, calibrate  # noqa: E402
 from paratrain.plan.calibrate_compute import matmul_rates, optimizer_table, traffic_rate  # noqa: E402
@@ -175,7 +175,7 @@ def main(argv=None) -> None:
         cluster = load_cluster(args.cluster)
     else:
         cluster = calibrate(Settings(), name="cpu-bench")
-        save_cluster(cluster, os.path.join(HERE, "results", "cpu_calibration.json"))
+        save_cluster(cluster, os.path.join(HERE, "inputs", "cpu_calibration.json"))
     rows = []
     for model, case, world in cases(args):
         want = predicted(model, case, world, cluster, args.accumulate)
@@ -215,7 +215,7 @@ def _parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "plan_accuracy.json"))
     parser.add_argument("--quick", action="store_true", help="world 2, 2 steps: a smoke check")
-    add_force(parser)
+    add_write_options(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.worlds, args.steps, args.warmup, args.jobs = "2", 2, 1, 1

@@ -1,5 +1,5 @@
-"""Benchmark: what `paratrain plan` predicts against training runs that papers published at scale
-(issue 12, part 5). Only the planner runs: no quiet machine, no GPU, about 25 s.
+"""Benchmark: what `paratrain plan` predicts against training runs that papers published at scale.
+Only the planner runs: no quiet machine, no GPU, about 25 s.
 
     python bench/plan_published.py [--out bench/results/plan_published.json]
 

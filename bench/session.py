@@ -36,7 +36,7 @@ per optimizer step — the median over rounds of the round's session time minus 
 (`paired_difference`), shown per micro-batch — and the ratio 1 + that / plain (the ratio of the
 two medians is kept as ratio_of_medians: drift between blocks moves it by a few %) with its
 standard error (ratio_error), and max_param_diff (both did the same steps from the same start).
-Targets (issue 17): ratio <= 1.02 on the MLP and the GPT, <= 0.1 ms added per micro-batch on the
+Targets: ratio <= 1.02 on the MLP and the GPT, <= 0.1 ms added per micro-batch on the
 tiny model.
 """
 
