@@ -1,4 +1,4 @@
-"""Two reproductions of issue 16 run as a user runs them, one `paratrain run` per job:
+"""Two restarts that once broke checkpoints, run as a user runs them, one `paratrain run` per job:
 
 - a job restarted with another `accumulate` writes step numbers below the first job's; after two
   restarts the job still ends on the newest state (point 1);

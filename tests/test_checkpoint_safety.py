@@ -1,4 +1,4 @@
-"""Checkpoints that a restart or a cluster can break (issue 16, points 1-6): the newest is the one
+"""Checkpoints that a restart or a cluster can break: the newest is the one
 written last, damage is detected and skipped, errors name the cause and the file, one job writes a
 root, and resume says when it finds nothing."""
 

@@ -1,4 +1,4 @@
-"""Hangs and desyncs through `paratrain run` on real ranks (issue 13, part 2): the job ends within
+"""Hangs and desyncs through `paratrain run` on real ranks: the job ends within
 the collective timeout + 10 s, and the report names the operation, the ranks, and the user's
 file and line where the ranks' collective histories part, from their flight recorders."""
 

@@ -1,4 +1,4 @@
-"""`paratrain run` when things go wrong around the ranks (issue 16, points 16-18): a SIGKILLed
+"""`paratrain run` when things go wrong around the ranks: a SIGKILLed
 launcher takes its workers with it, the failure summary names the rank at fault rather than the
 one that gave up waiting for it, and a master port in use is reported as such."""
 

@@ -1,5 +1,5 @@
-"""What used to pass silently (issue 16, points 8-15): each case either works or stops with a
-paratrain error naming the cause. Every test here failed on the code before the fix."""
+"""Mistakes and faults that could pass silently: each case either works or stops with a paratrain
+error naming the cause."""
 
 import functools
 import itertools

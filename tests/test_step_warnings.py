@@ -1,4 +1,4 @@
-"""Skipped and strange steps are never silent (issue 13, part 3): an fp16 step skipped for an
+"""Skipped and strange steps are never silent: an fp16 step skipped for an
 inf, a loss scale halved on k steps in a row and a gradient-norm jump each give a rank-0
 StepWarning and a row in metrics.csv; a normal run gives neither. On 2 real ranks under DDP
 (CPU autocast runs fp16)."""

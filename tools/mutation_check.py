@@ -46,7 +46,7 @@ class Mutant:
 
 
 MUTANTS = [
-    # issue 15's table
+    # the first table: DDP, ZeRO, the pipeline's schedules
     Mutant("ddp-world", "DDP averages over the world instead of its process group",
            (("self.world = dist.get_world_size(group)", "self.world = dist.get_world_size()"),),
            ("tests/test_ddp.py",)),
@@ -105,7 +105,7 @@ MUTANTS = [
            "accumulation's start",
            (("    if optimizer_step and session.accumulate > 1:", "    if False:"),),
            ("tests/test_resume.py",)),
-    # issues 14 and 18: comm hooks, join(), streams, weights tied across pipeline stages
+    # comm hooks, join(), streams, weights tied across pipeline stages
     Mutant("comm-hook-prescaled", "gradients enter a comm hook's bucket already divided (the hook divides again)",
            (("    prescale = False  # the hook divides", "    prescale = True  # the hook divides"),),
            ("tests/test_ddp_comm_hooks.py",)),
@@ -134,7 +134,7 @@ MUTANTS = [
            (("        return {id(p) for p, here in zip(self.params, self.counted_here) if not here}",
              "        return set()"),),
            ("tests/test_pipeline_cut.py",)),
-    # issue 11: loading weights, export, ZeRO 1/2 master shards
+    # loading weights, export, ZeRO 1/2 master shards
     Mutant("load-weights-own-offset", "a ZeRO-3 rank reads its piece of a weights file from offset 0",
            (("shard.tensor.copy_(reader.read_flat(found[name], start, start + length))",
              "shard.tensor.copy_(reader.read_flat(found[name], 0, length))"),),
@@ -165,7 +165,7 @@ MUTANTS = [
            (("        if total is None or self.share is None:\n            return total\n",
              "        if total is None or self.share is None:\n            return None if total is None else torch.zeros(())\n"),),
            ("tests/test_silent_failures.py",)),
-    # issue 13: verify
+    # verify
     Mutant("verify-rank-0-only", "paratrain verify checks a replicated parameter on the lowest rank only",
            (("    held = {r: pieces for r, pieces in candidate.items() if pieces}",
              "    held = {r: pieces for r, pieces in candidate.items() if pieces and r == min(candidate)}"),),

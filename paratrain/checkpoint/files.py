@@ -1,5 +1,5 @@
 """What makes a checkpoint directory trustworthy: its marker, its place among the saves of its root,
-the checksums of its files, and errors that name the file at fault (issue 16, points 1-4).
+the checksums of its files, and errors that name the file at fault.
 
 [Note: the marker] `paratrain.json` is written by rank 0 last, once every rank's files are on
 disk, and holds besides the session's state:

@@ -1,4 +1,4 @@
-"""One writing job per checkpoint root (issue 16, point 5).
+"""One writing job per checkpoint root.
 
 Two jobs checkpointing into the same root would interleave their sequences, prune each other's
 checkpoints and race on the same `.partial` directories, each reporting success. So the first

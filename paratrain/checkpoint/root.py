@@ -2,9 +2,9 @@
 
 Newest means written last, by the sequence each checkpoint's marker records ([Note: the marker] in
 checkpoint/files.py), never by name: after a restart with another `accumulate`, step numbers start
-over lower than the stale ones of the first run (issue 16, point 1).
+over lower than the stale ones of the first run.
 
-`resume` is the restart path, and must not be blocked by one bad checkpoint (point 2): it loads the
+`resume` is the restart path, and must not be blocked by one bad checkpoint: it loads the
 newest checkpoint, and when that one is damaged (a file missing, truncated or changed: `load`
 checks sizes and sha256) it warns, naming it and why, and loads the one written before it. Rank 0
 lists the candidates and every rank tries them in that order; `load` raises the same

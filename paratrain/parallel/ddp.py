@@ -187,10 +187,10 @@ class DistributedDataParallel(ParallelModule, Joinable):
         """Sum each bucket as its all-reduce completes (buckets.AllReduce); a communication hook
         registered later reduces its own way, and the check then reads the buckets at the step.
         On CPU, above ReducedSums.LIMIT elements, each rank sums its 1/N of every bucket and the
-        ranks' sums are all-reduced at the step: bench/session.py's MLP of 18.9 M at world 2 read
-        its buckets in ~5 ms a step whole, ~2.5 shared, plus ~0.3-1 ms for that all-reduce
-        (waiting for the slower rank included). On a GPU the read takes microseconds and the
-        all-reduce would add a collective's latency."""
+        ranks' sums are all-reduced at the step: on CPU, reading the buckets of a model of tens of
+        millions of parameters costs milliseconds a step, which N ranks share for the price of one
+        small all-reduce (bench/session.py measures the whole check). On a GPU the read takes
+        microseconds and the all-reduce would add a collective's latency."""
         if isinstance(self._grad_sync.reduction, AllReduce):
             elements = sum(p.numel() for p in self._params)
             group = self.process_group if self.process_group is not None else dist.group.WORLD

@@ -1,4 +1,4 @@
-"""`paratrain plan`: predict per-rank memory and step time of every strategy (issue 12).
+"""`paratrain plan`: predict per-rank memory and step time of every strategy.
 
     cluster.py       what the machines can do: presets and calibrated files
     comm_model.py    the alpha-beta time of each collective, per algorithm

@@ -144,7 +144,7 @@ class DeviceCheck:
     True) with an optimizer whose fused kernels take `found_inf`, on a GPU: `wanted`).
 
     Waiting for the device at each step leaves the GPU idle while the host then launches the
-    optimizer's kernels (measured on an H200: 2.7-7.8 % of a GPT step, bench/gpu_check.py).
+    optimizer's kernels (a few percent of a GPT step on a GPU: bench/gpu_check.py measures it).
     Here the check's total stays on the device: its non-finiteness is the optimizer's
     `found_inf` (as torch's GradScaler hands it), so the fused kernels leave the parameters and
     the optimizer state as they were. The flag is copied to the host without waiting and read

@@ -1,4 +1,4 @@
-"""Steps that go strangely without stopping the run are never silent (issue 13, part 3).
+"""Steps that go strangely without stopping the run are never silent.
 
 After each optimizer step (Session.step) three things are checked, each a rank-0 warning
 (`paratrain.StepWarning`, a UserWarning: `warnings.filterwarnings("ignore", category=

@@ -35,11 +35,10 @@ buffer between forward and backward does not look like an in-place change of a s
 
 [Note: a unit used twice]
 A GPT's root unit holds the embedding, tied to the head: the head's share of its gradient
-arrives at the start of backward and the embedding's at the end, so its full gradient buffer
-used to be held through every block's backward, where the blocks' own buffers, gathered units and
-recomputed activations peak (bench/big_model.py with activation checkpointing: 1.15 × its
-formula, the root's buffer 126 MiB of the excess; with units.py's [Note: the root's big
-parameters], which removes the copy of the head's share, 1.086 ×). Now, when another unit's backward starts,
+arrives at the start of backward and the embedding's at the end, so a full gradient buffer kept
+until the last use would live through every block's backward, where the blocks' own buffers,
+gathered units and recomputed activations peak (with units.py's [Note: the root's big
+parameters], which removes the copy of the head's share). So when another unit's backward starts,
 a flat whose gradient is part-way (some uses in, not all) is reduced at once (`partial=True`:
 its count of uses goes on), and its later uses fill a new buffer, reduced when the last is in;
 this rank's slice is the sum of the two reductions' (`add_into`), the same average up to the

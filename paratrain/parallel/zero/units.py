@@ -92,8 +92,8 @@ def flats_of(params: list[nn.Parameter], group_of: dict[nn.Parameter, int],
 # root copied it into a zeroed buffer of the whole root, holding both at once with the root's
 # parameters gathered and the first block prefetched; and a tied weight's share from the head is
 # reduced before the blocks' backward ([Note: a unit used twice]), the embedding's share filling
-# a new buffer, again autograd's own. bench/big_model.py with activation checkpointing: 1.149 × its
-# formula before, 1.086 after (each change alone: no gain). Small parameters stay in one flat
+# a new buffer, again autograd's own (bench/big_model.py measures the peak against its formula,
+# with activation checkpointing). Small parameters stay in one flat
 # (each flat is one more collective per gather and per reduction); blocks keep one flat each,
 # their gradients arriving together.
 
