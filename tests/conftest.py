@@ -1,16 +1,14 @@
 import compileall
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/models.py, importable by spawned ranks too
+from tests.support import ROOT_DIR
 
 # Bytecode for paratrain and the tests' helpers, once, as `pip install` writes it for an installed
 # package. Where PYTHONDONTWRITEBYTECODE is set (these development machines set it) nothing writes
 # it otherwise, and every process the tests start (each rank of each `paratrain run`, each launcher)
-# compiled some 100 modules from source: ~0.3 s of CPU apiece (tests/test_cli.py: 98 s -> 88 s).
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# compiled some 100 modules from source: ~0.3 s of CPU apiece.
 for folder in ("paratrain", "tests", "examples", "bench"):
-    compileall.compile_dir(os.path.join(ROOT, folder), quiet=1)
+    compileall.compile_dir(os.path.join(ROOT_DIR, folder), quiet=1)
 
 # Multi-rank tests run CPU ranks over gloo, on a machine with a GPU too: there the automatic choice
 # (nccl, cuda:LOCAL_RANK) has no GPU for rank 1 of `paratrain run -n 2` on a one-GPU machine, as
@@ -19,7 +17,8 @@ os.environ.setdefault("PARATRAIN_BACKEND", "gloo")
 
 
 # -- the multiprocess marker ----------------------------------------------------------------------
-# `pytest -m "not multiprocess"` runs the single-process tests alone, in well under a minute. A
+# `pytest -m "not multiprocess and not slow"` runs the single-process tests alone, in about half a
+# minute (`slow`: the few single-process tests of several seconds, marked by hand). A
 # test is marked when it, a function of its module it calls (transitively), or a fixture of its
 # module it uses, calls run_on_ranks
 # or anything on `subprocess`/`multiprocessing`: read from the module's source, so nobody marks by
@@ -33,7 +32,6 @@ import pytest  # noqa: E402
 
 _SPAWNERS = {"run_on_ranks", "Popen", "spawn", "start_processes"}
 _SPAWNING_MODULES = {"subprocess", "multiprocessing", "mp"}
-_HERE = os.path.dirname(os.path.abspath(__file__))
 _spawning: dict[str, set[str]] = {}  # test module's path -> its functions that start processes
 
 
@@ -48,15 +46,17 @@ def _starts_processes(call: ast.Call) -> bool:
 
 def _spawning_functions(path: str) -> set[str]:
     """Names of the module's functions that start processes: directly, through each other, or
-    through a function they import from another test module that does."""
+    through a function they import from another module of the tests that does (tests/support)."""
     if path in _spawning:
         return _spawning[path]
     _spawning[path] = set()  # a cycle of test modules importing each other ends here
     tree = ast.parse(open(path).read())
     seeds = set(_SPAWNERS)
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module and os.path.isfile(os.path.join(_HERE, f"{node.module}.py")):
-            theirs = _spawning_functions(os.path.join(_HERE, f"{node.module}.py"))
+        module = node.module if isinstance(node, ast.ImportFrom) else None
+        source = os.path.join(ROOT_DIR, *(module or "").split(".")) + ".py"
+        if module and module.startswith("tests.") and os.path.isfile(source):
+            theirs = _spawning_functions(source)
             seeds |= {a.asname or a.name for a in node.names if a.name in theirs}
     calls: dict[str, set[str]] = {}
     for node in ast.walk(tree):

@@ -1,5 +1,6 @@
 """bench/: timings taken on a busy machine are refused unless --force, and say what the load was."""
 
+from tests.support import ROOT_DIR
 import argparse
 import importlib.util
 import json
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+BENCH = os.path.join(ROOT_DIR, "bench")
 sys.path.insert(0, BENCH)
 import common  # noqa: E402
 

@@ -1,6 +1,7 @@
 """docs/benchmarks/ is what tools/bench_pages.py makes of bench/results/*.json, byte for byte, and the
 tool's key figures agree with the same figures derived here from the JSON, independently of it."""
 
+from tests.support import ROOT_DIR
 import json
 import os
 import re
@@ -8,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = ROOT_DIR
 RESULTS = os.path.join(ROOT, "bench", "results")
 PAGES = os.path.join(ROOT, "docs", "benchmarks")
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -2,6 +2,7 @@
 reference), every page of docs/ is in the nav, and the home page renders with its navigation in
 a real headless browser (Chromium, which .ci/run installs from Debian's packages)."""
 
+from tests.support import ROOT_DIR
 import os
 import re
 import shutil
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(ROOT_DIR)
 NAV = ["Port a script", "Strategies", "Checkpoints", "Launching", "Troubleshooting", "Architecture",
        "API reference", "Benchmarks"]
 

@@ -1,6 +1,7 @@
 """The README's demo, run as a user runs it (through `paratrain run`, two processes), its test command,
 and the benchmark pages' figures against the committed results."""
 
+from tests.support import ROOT_DIR
 import csv
 import os
 import re
@@ -10,7 +11,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = ROOT_DIR
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "pipeline"])  # pipeline: 2 stages, its forward evaluates

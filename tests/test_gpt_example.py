@@ -7,6 +7,7 @@ and write its files. The two-rank runs must also match the single run at the fir
 sums the clipping norm in float64), and at this learning rate such differences grow to a few
 hundredths by step 200, as they would between two thread counts of the single run."""
 
+from tests.support import ROOT_DIR
 import csv
 import importlib.util
 import math
@@ -20,7 +21,7 @@ import torch
 
 import paratrain as pt
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = ROOT_DIR
 SCRIPT = os.path.join(ROOT, "examples", "gpt.py")
 SMALL = ["--steps", "200", "--eval-every", "25", "--batch-size", "32", "--block-size", "32",
          "--layers", "2", "--width", "64", "--lr", "1e-2", "--sample-chars", "40"]
@@ -79,7 +80,7 @@ def test_two_ranks_learn_as_one_does(strategy, extra, single, tmp_path):
 
 def test_four_stages_with_gpipe_learn(tmp_path):
     """The example cut into 4 stages, a block each, under GPipe (the parity of both schedules at
-    2 and 4 stages with one process is tests/test_pipeline_cut.py's)."""
+    2 and 4 stages with one process is tests/parallel/pipeline/test_pipeline_cut.py's)."""
     cmd = [sys.executable, "-m", "paratrain", "run", "-n", "4", "examples/gpt.py", *SMALL, "--layers", "4",  # the last wins
            "--strategy", "pipeline", "--stages", "4", "--schedule", "gpipe", "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -1,12 +1,12 @@
 """bench/gpu_check.py, the check a session with a lent GPU runs first, in its CPU dry-run mode:
 every part runs the code it would run on the GPU, at tiny sizes, and the JSON records each."""
 
+from tests.support import ROOT_DIR
 import json
-import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = ROOT_DIR
 
 
 def test_gpu_check_dry_run_runs_every_part(tmp_path):

@@ -1,10 +1,11 @@
 """tools/mutation_check.py's mutants stay applicable: each snippet is still in the package exactly
 once, and each names test files that exist (the check itself runs outside the suite: too slow)."""
 
+from tests.support import ROOT_DIR
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = ROOT_DIR
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import mutation_check  # noqa: E402
 

@@ -15,7 +15,7 @@ sooner on 2 cores: README "Starting and ending a job"). No user code has run in 
 then, and what the command makes afterwards (`plan` imports the user's model) is collected as
 before. The ranks are left as Python has them: there a reference cycle the script keeps in a
 global is freed only by those last collections, and an open file in it would lose its buffered
-lines (tests/test_cli.py); Python does not promise to finalize such objects, but scripts rely on it.
+lines (tests/cli/test_cli.py); Python does not promise to finalize such objects, but scripts rely on it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ through `comm.all_gather_with_grad`, whose backward sends each rank the sum of t
 ranks' losses gave its rows; DDP's averaging of parameter gradients supplies the 1/N (distributed/comm.py,
 `_AllGatherWithGrad`). With every rank's loss the mean over its own rows and equal rows per rank,
 the mean of the ranks' losses and the averaged gradients equal one process's on the concatenated
-batch (tests/test_contrastive.py proves it at world 2 and 4).
+batch (tests/components/test_contrastive.py proves it at world 2 and 4).
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ def destroy() -> None:
 # meanwhile destroyed the process group, that closure holds the group's last reference: the
 # group's destructor then runs on its own worker thread, joins it, and the process aborts
 # ("terminate called after throwing ... Resource deadlock avoided"; seen once in a CI run of
-# tests/test_ddp_comm_hooks.py's PowerSGD case). So destroy() keeps a reference to every group
+# tests/parallel/test_ddp_comm_hooks.py's PowerSGD case). So destroy() keeps a reference to every group
 # across destroy_process_group(), sleeps (releasing the GIL) until the worker threads have
 # dropped theirs, at most DRAIN_S, and lets the last one go here. A group the caller still holds
 # (a live DDP module) outlives the wait and is destroyed when the caller lets it go.

@@ -16,7 +16,7 @@ As in torch's reducer, gradients enter their bucket as they are (`prescale = Fal
 divides), each full bucket's hook runs as soon as it fills, and when backward ends the futures are
 waited in bucket order and each value is copied into its bucket, which the parameters' `.grad`
 view. The layout is torch's (buckets.py), so a hook sees the same buckets under ours and torch's
-DDP and the parameters come out bitwise equal (tests/test_ddp_comm_hooks.py).
+DDP and the parameters come out bitwise equal (tests/parallel/test_ddp_comm_hooks.py).
 """
 
 from __future__ import annotations

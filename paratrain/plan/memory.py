@@ -6,7 +6,7 @@ from (the functions named are the ones the strategies themselves call):
 
 - params, grads, optimizer: EXACT at rest, i.e. after `optimizer.step()` from the second step on
   (the buckets of DDP are laid out again after the first backward), before `zero_grad()`, with
-  the finite check's sum taken (Session's step takes it). tests/test_plan_memory.py checks them
+  the finite check's sum taken (Session's step takes it). tests/plan/test_plan_memory.py checks them
   against the live tensors of real runs at world 2, 3 and 4.
     single, ddp, hierarchical, pipeline: every parameter; gradients in DDP's buckets
         (buckets.assign / first_layout via grad_sync.first_grad_layout, buckets.buffer_numel:

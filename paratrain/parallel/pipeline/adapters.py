@@ -1,6 +1,6 @@
 """Which cut a model gets (`cut_for`), and cuts for known model classes that do not define
 pipeline_embed / pipeline_head themselves (cut.py, [Note: cutting a model by names]). Each is the model's own forward, split where its
-blocks begin and end; tests/test_pipeline_cut.py checks each against the model's forward."""
+blocks begin and end; tests/parallel/pipeline/test_pipeline_cut.py checks each against the model's forward."""
 
 from __future__ import annotations
 

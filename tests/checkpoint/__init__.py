@@ -1,0 +1,1 @@
+"""checkpoint/: saves, loads, resharding, safety."""

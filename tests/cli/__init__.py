@@ -1,0 +1,1 @@
+"""cli/: the commands."""

@@ -1,0 +1,1 @@
+"""components/: what strategies and the session share."""

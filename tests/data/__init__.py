@@ -1,0 +1,1 @@
+"""data/: the sampler and the session's loader."""

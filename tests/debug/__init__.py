@@ -1,0 +1,1 @@
+"""debug/: flight recorder, hang reports, verify, desyncs."""

@@ -1,0 +1,144 @@
+"""Hangs and desyncs through `paratrain run` on real ranks: the job ends within
+the collective timeout + 10 s, and the report names the operation, the ranks, and the user's
+file and line where the ranks' collective histories part, from their flight recorders."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+import time
+
+import pytest
+
+from paratrain.debug import hang_report
+from tests.support.launcher import paratrain
+
+TIMEOUT = 5  # seconds each collective may wait (paratrain run --timeout)
+
+PROLOGUE = """\
+import sys, time
+import torch, torch.distributed as dist
+import paratrain as pt
+
+topo = pt.Topology.from_env().init()
+x = torch.ones(4)
+
+
+def parted():  # notes when the ranks go separate ways
+    open(f"{sys.argv[1]}{topo.rank}", "w").write(repr(time.time()))
+
+"""
+
+SCRIPTS = {
+    "skip": PROLOGUE + textwrap.dedent("""
+        for step in range(4):
+            if step == 2:
+                parted()
+            if topo.rank == 1 and step == 2:
+                continue  # rank 1 leaves one all-reduce out
+            dist.all_reduce(x)  # ALL_REDUCE
+        """),
+    "other_op": PROLOGUE + textwrap.dedent("""
+        dist.all_reduce(x)
+        parted()
+        if topo.rank == 1:
+            dist.broadcast(x, src=0)  # BROADCAST
+        else:
+            dist.all_reduce(x)  # ALL_REDUCE
+        dist.all_reduce(x)
+        """),
+    "barrier": PROLOGUE + textwrap.dedent("""
+        def sync():
+            dist.barrier()  # BARRIER
+
+
+        for step in range(3):
+            dist.all_reduce(x)  # ALL_REDUCE
+            if topo.rank == 1 and step == 1:
+                parted()
+                time.sleep(120)  # STUCK: rank 1 never reaches the barrier in sync()
+            sync()
+        """),
+}
+
+
+def _line(script: str, marker: str) -> int:
+    return next(i for i, text in enumerate(SCRIPTS[script].splitlines(), 1) if f"# {marker}" in text)
+
+
+def _run(tmp_path, script: str, *flags: str) -> list[str]:
+    (tmp_path / f"{script}.py").write_text(SCRIPTS[script])
+    parted = tmp_path / "parted"
+    proc = paratrain("run", "-n", "2", "--timeout", str(TIMEOUT), *flags, f"{script}.py", str(parted),
+                     cwd=tmp_path, timeout=90)
+    ended = time.time()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    took = ended - min(float(p.read_text()) for p in tmp_path.glob("parted*"))
+    assert took < TIMEOUT + 10, f"the job ran {took:.1f} s after the ranks parted"
+    return [line.removeprefix("paratrain run: ") for line in proc.stderr.splitlines()
+            if line.startswith("paratrain run: ")]
+
+
+@pytest.fixture(autouse=True)
+def plain(monkeypatch):
+    monkeypatch.delenv("PARATRAIN_DEBUG_COLLECTIVES", raising=False)
+    monkeypatch.delenv("PARATRAIN_FLIGHT_RECORDER", raising=False)
+
+
+def test_a_rank_that_skips_an_all_reduce(tmp_path):
+    report = _run(tmp_path, "skip")
+    at = f"skip.py:{_line('skip', 'ALL_REDUCE')} (in <module>)"
+    world = "the world group (ranks 0, 1)"
+    assert f"  behind on {world}: rank 1 (issued up to #2; rank 0 up to #3)" in report, report
+    assert report[-1] == (f"  the histories diverge at #3 on {world}: rank 0 called all_reduce(float32[4]) "
+                          f"at {at}; rank 1 never issued #3")
+    assert any(re.fullmatch(rf"  rank 0 gave up in #3 all_reduce\(float32\[4\]\) on {re.escape(world)} at "
+                            rf"{re.escape(at)}: .*(closed by peer|Timed out).*", line) for line in report), report
+
+
+def test_a_rank_that_broadcasts_where_the_others_all_reduce(tmp_path):
+    report = _run(tmp_path, "other_op")
+    assert report[-1] == (
+        "  the histories diverge at #1 on the world group (ranks 0, 1): rank 0 called all_reduce(float32[4]) at "
+        f"other_op.py:{_line('other_op', 'ALL_REDUCE')} (in <module>); rank 1 called broadcast(float32[4]) at "
+        f"other_op.py:{_line('other_op', 'BROADCAST')} (in <module>)"), report
+    assert not any(line.startswith("  behind") for line in report)  # both issued #1
+
+
+def test_a_rank_that_never_reaches_a_barrier_in_a_user_function(tmp_path):
+    report = _run(tmp_path, "barrier")
+    barrier = f"barrier.py:{_line('barrier', 'BARRIER')} (in sync)"
+    world = "the world group (ranks 0, 1)"
+    assert report[-1] == f"  the histories diverge at #3 on {world}: rank 0 called barrier at {barrier}; rank 1 never issued #3"
+    assert any(line.startswith(f"  rank 0 gave up in #3 barrier on {world} at {barrier}: ") for line in report)
+    # rank 1 was sleeping when the launcher stopped it: its ring came from the SIGTERM path
+    assert (f"  rank 1 is in no collective; its last was #2 all_reduce(float32[4]) on {world} at "
+            f"barrier.py:{_line('barrier', 'ALL_REDUCE')} (in <module>), completed") in report
+    assert report[0].endswith(f"rank 1 was at barrier.py:{_line('barrier', 'STUCK')} (in <module>)")
+
+
+def test_no_collectives_section_with_the_recorder_off(tmp_path):
+    report = _run(tmp_path, "skip", "--flight-recorder", "0")
+    assert report and not any("collectives (" in line or "diverge" in line for line in report), report
+
+
+def _ring(entries, issued, world=2):
+    return dict(world=world, capacity=4, time=10.0, issued=issued, entries=[
+        dict(seq=i, op=op, group=[0, 1], gseq=k, tensors=[shape] if shape else [], bytes=0, detail=None,
+             file="/job/train.py", line=line, function="step", state=state, error=None, started=1.0 + i, ended=None)
+        for i, (k, op, shape, line, state) in enumerate(entries)])
+
+
+def test_report_compares_what_both_rings_still_hold_and_names_a_shape_mismatch():
+    rank0 = _ring([(5, "all_reduce", "float32[4]", 9, "completed"), (6, "all_reduce", "float32[4]", 9, "started")],
+                  [[[0, 1], 7]])
+    rank1 = _ring([(3, "broadcast", "float32[4]", 7, "completed"),  # rank 0's #3 left its ring: not compared
+                   (5, "all_reduce", "float32[4]", 9, "completed"), (6, "all_reduce", "float32[5]", 9, "started")],
+                  [[[0, 1], 7]])
+    lines = hang_report.describe({0: rank0, 1: rank1})
+    assert lines[1] == ("  rank 0 is blocked in #6 all_reduce(float32[4]) on the world group (ranks 0, 1) at "
+                        "/job/train.py:9 (in step), for 8.0 s when its ring was written")
+    assert lines[-1] == ("  the histories diverge at #6 on the world group (ranks 0, 1): rank 0 called "
+                         "all_reduce(float32[4]) at /job/train.py:9 (in step); rank 1 called all_reduce(float32[5]) "
+                         "at /job/train.py:9 (in step)")
+    assert hang_report.describe({}) == []

@@ -1,0 +1,1 @@
+"""distributed/: topology, grid, collectives."""

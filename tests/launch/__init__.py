@@ -1,0 +1,1 @@
+"""launch/: `paratrain run` and its ranks."""

@@ -1,0 +1,1 @@
+"""parallel/: every strategy against one process."""

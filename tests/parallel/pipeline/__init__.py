@@ -1,0 +1,1 @@
+"""parallel/pipeline/: the pipeline."""

@@ -1,0 +1,1 @@
+"""parallel/zero/: ZeRO stages 1-3."""

@@ -1,0 +1,1 @@
+"""plan/: `paratrain plan`."""

@@ -1,0 +1,1 @@
+"""session/: the Session and what it composes."""
