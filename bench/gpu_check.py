@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # models.py: the parity models and their reference
+sys.path.insert(0, str(ROOT))  # tests/support/models.py: the parity models and their reference
 import paratrain as pt  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
@@ -198,7 +198,7 @@ PARITY = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
 
 
 def _parity_rank(topo, case: str, device: str):
-    from models import make_batches, make_model
+    from tests.support.models import make_batches, make_model
 
     topo = dataclasses.replace(topo, device=torch.device(device))  # gloo, CUDA tensors
     strategy = PARITY[case] if isinstance(PARITY[case], str) else pt.ZeRO(**PARITY[case])  # offload: pinned
@@ -212,7 +212,7 @@ def _parity_rank(topo, case: str, device: str):
 
 
 def parity(device: torch.device) -> dict:
-    from models import reference
+    from tests.support.models import reference
 
     expected = reference("mlp", "sgd", world=2, accumulate=1, steps=3, global_batch=16)
     diffs = {}
@@ -226,7 +226,7 @@ def parity(device: torch.device) -> dict:
 
 
 def nccl_world_one(dry: bool) -> dict:
-    from models import make_batches, make_model
+    from tests.support.models import make_batches, make_model
 
     backend = "gloo" if dry else "nccl"
     session = pt.Session("ddp", topology=pt.Topology.from_env(backend=backend), progress_bar=False)
