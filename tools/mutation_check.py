@@ -323,6 +323,14 @@ MUTANTS = [
     Mutant("script-end-unnoted", "a rank's note says the script ended only when its exit handlers are done",
            (("    worker.script_ended()  # an exception instead", "    pass  # an exception instead"),),
            ("tests/launch/test_launcher_faults.py",)),
+    # resume's words for what it skips or refuses
+    Mutant("unmarked-checkpoint-silent", "a checkpoint without its marker is skipped with no warning",
+           (("        for path in _unmarked(root):", "        for path in []:"),),
+           ("tests/checkpoint/test_checkpoint_safety.py::test_a_checkpoint_without_its_marker_is_skipped_with_a_warning",)),
+    Mutant("foreign-dataset-raw-advice", "a Session resuming another dataset gets the raw sampler's advice",
+           (("    _check_same_dataset(session, state.get(\"sampler\"), path)\n", ""),),
+           ("tests/checkpoint/test_checkpoint_safety.py::"
+            "test_resuming_with_another_dataset_says_what_a_session_user_can_do",)),
 ]
 
 

@@ -48,6 +48,11 @@ def resume(root: str | os.PathLike, load_fn: Callable[[Path], Any], *, required:
     ConfigError saying where it looked when `required`. A collective: rank 0 lists, all agree."""
     root = Path(root)
     candidates = agree(lambda: _candidates(root))
+    if rank() == 0:
+        for path in _unmarked(root):
+            warnings.warn(f"checkpoint {path} is damaged: it has no {MARKER}, which every save writes last (the "
+                          "save did not finish, or the file was removed); resume() skips it", CheckpointWarning,
+                          stacklevel=2)
     if not candidates:
         if required:
             raise ConfigError(agree(lambda: _nothing_found(root)))
@@ -79,6 +84,15 @@ def _candidates(root: Path) -> list[Path]:
                           or root.name.endswith(".partial")):
         return [root]
     return list(reversed(complete(root))) if root.is_dir() else []
+
+
+def _unmarked(root: Path) -> list[Path]:
+    """The directories `root/step-*` that hold checkpoint files but no marker: not a save in progress
+    (that is `step-*.partial`) nor one replaced by a newer save of its name (`step-*.old`)."""
+    if not root.is_dir() or (root / MARKER).is_file():
+        return []
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith((".partial", ".old"))
+                  and not (p / MARKER).is_file() and any(p.iterdir()))
 
 
 def _not_step_named(root: Path) -> list[str]:

@@ -94,6 +94,10 @@ class ShardedLoader(DataLoader):
             return self.sampler.state_dict(per_replica_samples=self.stepped * self.batch_size)
         return {"kind": "batches", "batches": self.start + self.stepped}
 
+    def dataset_len(self) -> int | None:
+        """The samples a position counts (its sampler's dataset), or None for a batch sampler or a stream."""
+        return self.sampler.dataset_len if isinstance(self.sampler, DistributedSampler) else None
+
     def load_position(self, state: dict) -> None:
         """Make the next pass start where `position()` said this one stood."""
         if isinstance(self.sampler, DistributedSampler):

@@ -225,6 +225,19 @@ def session_state(session: "Session") -> tuple[dict, dict]:
     return state, rng_tensors(where["rng"])
 
 
+def _check_same_dataset(session: "Session", sampler: dict | None, path: Any) -> None:
+    """Refuse, before anything is restored, a checkpoint whose data position counts another
+    dataset's samples (the raw sampler's own error would advise its own calls, not a Session's)."""
+    if not sampler or not isinstance(session.loader, ShardedLoader):
+        return
+    saved, here = sampler.get("dataset_len"), session.loader.dataset_len()
+    if saved is not None and here is not None and int(saved) != here:
+        raise ConfigError(f"checkpoint {path} was saved while training on a dataset of {saved} samples, but the "
+                          f"loader given to setup() reads {here}: resume with the same dataset, or take the "
+                          "model alone with session.resume(root, weights_only=True) and train this dataset "
+                          "from its first epoch")
+
+
 def restore_session(session: "Session", loaded: dict, path: Any) -> None:
     """Put the state checkpoint.load returned back into `session` and its registered objects."""
     state = loaded["state"]
@@ -232,6 +245,7 @@ def restore_session(session: "Session", loaded: dict, path: Any) -> None:
     if missing:
         raise ConfigError(f"checkpoint {path} holds no state for registered object(s) {missing}: it was "
                           "saved before they were registered; load it first, then register them")
+    _check_same_dataset(session, state.get("sampler"), path)
     session.epoch, session.micro_step = state.get("epoch", 0), state.get("micro_step", 0)
     if session.scaler is not None and state.get("scaler"):
         session.scaler.load_state_dict(state["scaler"])

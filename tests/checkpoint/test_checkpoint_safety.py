@@ -444,3 +444,44 @@ def test_resume_warns_when_the_root_holds_checkpoints_under_other_names(tmp_path
         assert not session.resume(tmp_path)
     assert session.resume(tmp_path / "epoch-3")
     session.close()
+
+
+def test_a_checkpoint_without_its_marker_is_skipped_with_a_warning(tmp_path):
+    """A `step-*` directory holding a save's files but no paratrain.json (its save never finished,
+    or the file was removed) is named in a CheckpointWarning, as a truncated one is, and resume
+    loads the checkpoint written before it."""
+    session, model, _ = _one_process()
+    xs, ys = make_batches(2, 8)
+    session.train_step((xs[0], ys[0]), F.cross_entropy)
+    session.checkpoint(tmp_path)
+    earlier = {k: v.clone() for k, v in model.state_dict().items()}
+    session.train_step((xs[1], ys[1]), F.cross_entropy)
+    newest = session.checkpoint(tmp_path)
+    session.close()
+    (newest / "paratrain.json").unlink()
+    resumed, again, _ = _one_process()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resumed.resume(tmp_path) and resumed.micro_step == 1
+    assert _warned(caught) == [f"checkpoint {newest} is damaged: it has no paratrain.json, which every save "
+                               "writes last (the save did not finish, or the file was removed); resume() skips it"]
+    assert_same_params(again.state_dict(), earlier, atol=0)
+    resumed.close()
+
+
+def test_resuming_with_another_dataset_says_what_a_session_user_can_do(tmp_path):
+    """The dataset lengths are named with the Session's way out (weights_only=True), and nothing
+    of the session is changed by the refused load."""
+    xs, ys = make_batches(1, 12)
+    session, _, loader = _one_process(loader=DataLoader(TensorDataset(xs[0], ys[0]), batch_size=4))
+    session.train_step(next(iter(loader)), F.cross_entropy)
+    session.checkpoint(tmp_path)
+    session.close()
+    xs, ys = make_batches(1, 10)
+    other, _, _ = _one_process(loader=DataLoader(TensorDataset(xs[0], ys[0]), batch_size=5))
+    with pytest.raises(pt.ConfigError, match=r"saved while training on a dataset of 12 samples, but the loader "
+                                             r"given to setup\(\) reads 10: .*session.resume\(root, weights_only=True\)"):
+        other.resume(tmp_path)
+    assert other.micro_step == 0 and other.epoch == 0
+    assert other.resume(tmp_path, weights_only=True)
+    other.close()
