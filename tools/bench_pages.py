@@ -43,6 +43,11 @@ def commands(*lines: str) -> str:
     return "```bash\n" + "\n".join(lines) + "\n```"
 
 
+# (JSON key, option) of the settings most benchmarks record and take back
+TIMING = (("rounds", "--rounds"), ("steps", "--steps"), ("warmup", "--warmup"))
+BATCH_PER_RANK = ("batch_per_rank", "--batch")
+
+
 def options(settings: dict, *pairs: tuple[str, str]) -> str:
     """The command-line options that reproduce `settings`: (JSON key, option) for each recorded key."""
     return "".join(f" {flag} {settings[key]}" for key, flag in pairs if key in settings)
@@ -124,8 +129,7 @@ def ddp_page(runs: dict[str, dict]) -> str:
             for name, m in d["models"].items()]
     headers = ["model", "parameters", "ours ms/step", "torch ms/step", "ratio", "max param diff",
                "ours peak MiB", "torch peak MiB", "flight recorder"]
-    cmd = commands("python bench/ddp.py" + options(s, ("rounds", "--rounds"), ("steps", "--steps"),
-                                                  ("warmup", "--warmup"), ("batch_per_rank", "--batch")) + out("ddp"))
+    cmd = commands("python bench/ddp.py" + options(s, *TIMING, BATCH_PER_RANK) + out("ddp"))
     return page("Our DDP against torch's DDP", runs, intro, cmd, table(headers, rows))
 
 
@@ -147,8 +151,7 @@ def zero_page(runs: dict[str, dict]) -> str:
                "formula MiB", "ours / formula", "max param diff"]
     stages = ",".join(stage.removeprefix("stage") for stage in d["results"])
     models = ",".join(next(iter(d["results"].values())))
-    cmd = commands("python bench/zero.py" + options(s, ("rounds", "--rounds"), ("steps", "--steps"),
-                                                   ("warmup", "--warmup"), ("batch_per_rank", "--batch"))
+    cmd = commands("python bench/zero.py" + options(s, *TIMING, BATCH_PER_RANK)
                    + f" --stages {stages} --models {models}" + out("zero"))
     return page("ZeRO against torch's ZeroRedundancyOptimizer and FSDP2", runs, intro, cmd, table(headers, rows))
 
@@ -167,8 +170,7 @@ def pipeline_page(runs: dict[str, dict]) -> str:
     headers = ["schedule", "m", "ours ms/step", "torch ms/step", "ratio", "ours peak MiB", "torch peak MiB",
                "max param diff"]
     microbatches = " ".join(dict.fromkeys(str(r["microbatches"]) for r in d["results"]))
-    cmd = commands("python bench/pipeline.py" + options(s, ("rounds", "--rounds"), ("steps", "--steps"),
-                                                        ("warmup", "--warmup"), ("batch", "--batch"))
+    cmd = commands("python bench/pipeline.py" + options(s, *TIMING, ("batch", "--batch"))
                    + f" --microbatches {microbatches}" + out("pipeline"))
     return page("Pipeline schedules against torch.distributed.pipelining", runs, intro, cmd,
                 table(headers, rows), *pipeline_extras(d))
@@ -205,8 +207,7 @@ def session_command(name: str, s: dict) -> str:
     # runs older than the kept-blocks option ran with glibc's default malloc
     flags = [flag for on, flag in ((not s.get("nan_check", True), " --no-nan-check"), (s.get("control"), " --control"),
                                    (not s.get("keep_freed_blocks", False), " --glibc-malloc")) if on]
-    return ("python bench/session.py" + options(s, ("rounds", "--rounds"), ("steps", "--steps"), ("warmup", "--warmup"),
-                                                ("batch_per_rank", "--batch"), ("tiny_steps", "--tiny-steps"))
+    return ("python bench/session.py" + options(s, *TIMING, BATCH_PER_RANK, ("tiny_steps", "--tiny-steps"))
             + "".join(flags) + out(name))
 
 
@@ -421,9 +422,7 @@ def hierarchical_page(runs: dict[str, dict]) -> str:
     headers = ["model", "parameters", "gradient MiB", "flat MiB across, per node", "hierarchical MiB across, per node",
                "ratio", "flat MiB across, busiest rank", "hierarchical MiB across, busiest rank", "flat ms/step",
                "hierarchical ms/step", "time ratio", "max param diff"]
-    cmd = commands("python bench/hierarchical.py" + options(s, ("rounds", "--rounds"), ("steps", "--steps"),
-                                                           ("warmup", "--warmup"), ("batch_per_rank", "--batch"))
-                   + out("hierarchical"))
+    cmd = commands("python bench/hierarchical.py" + options(s, *TIMING, BATCH_PER_RANK) + out("hierarchical"))
     return page("Hierarchical data parallel against flat DDP", runs, intro, cmd, table(headers, rows))
 
 
@@ -441,8 +440,7 @@ def cpu_malloc_page(runs: dict[str, dict]) -> str:
              f"{r['keep_adam_rate'] / 1e6:.0f}", f"{r['adam_ratio']:.3f}"] for r in d["results"]]
     headers = ["strategy", "glibc default s/step", "kept blocks s/step", "ratio", "faults per step, default",
                "faults per step, kept", "Adam M elements/s, default", "Adam M elements/s, kept", "Adam ratio"]
-    cmd = commands("python bench/cpu_malloc.py" + options(s, ("rounds", "--rounds"), ("steps", "--steps"),
-                                                         ("warmup", "--warmup")) + out("cpu_malloc"))
+    cmd = commands("python bench/cpu_malloc.py" + options(s, *TIMING) + out("cpu_malloc"))
     return page("Keeping freed blocks on CPU ranks", runs, intro, cmd, table(headers, rows))
 
 

@@ -296,9 +296,9 @@ MUTANTS = [
     Mutant("cli-freezes-callers", "cli.main freezes the objects of a process that called it, not only the command's",
            (("    if argv is None:  # this process is the `paratrain` command", "    if True:  #"),),
            ("tests/cli/test_cli.py::test_only_processes_paratrain_started_leave_their_imports_out_of_collection",)),
-    Mutant("ranks-freeze", "every rank `paratrain run` starts freezes what exists before its script runs",
-           (("    flight_hooks.install()\n    sys.argv = [target, *args]\n",
-             "    flight_hooks.install()\n    __import__('gc').freeze()\n    sys.argv = [target, *args]\n"),),
+    Mutant("ranks-freeze", "every rank `paratrain run` starts freezes what exists when its script starts",
+           (("    sys.modules[\"__main__\"] = main\n",
+             "    sys.modules[\"__main__\"] = main\n    __import__('gc').freeze()\n"),),
            ("tests/cli/test_cli.py::test_script_runs_on_every_rank_with_its_arguments_unchanged",)),
     # the review of stop 39: what passed silently
     Mutant("ported-sampler-refused", "a ported DDP script's DistributedSampler is refused (or, before, replaced)",
