@@ -30,9 +30,10 @@ import torch
 from paratrain.cli.ckpt import add_ckpt_parser, ckpt
 from paratrain.cli.env import env
 from paratrain.cli.plan import add_plan_parser, plan
+from paratrain.cli.run import add_run_parser
 from paratrain.cli.verify import add_verify_parser, verify
 from paratrain.errors import ParatrainError
-from paratrain.launch.run import add_run_parser, run
+from paratrain.launch.run import run
 
 
 class _Parser(argparse.ArgumentParser):
