@@ -94,8 +94,11 @@ class SafeReader(dcp.FileSystemReader):
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         listed = listed_files(Path(self.path)) or None  # None: saved before checksums, no list
+        stored = {}  # each file once (a file holds many tensors), named by the first tensor in it
         for index, info in metadata.storage_data.items():
-            own_file(Path(self.path), info.relative_path, listed, f"where {index.fqn!r} is stored")
+            stored.setdefault(info.relative_path, index.fqn)
+        for name, fqn in stored.items():
+            own_file(Path(self.path), name, listed, f"where {fqn!r} is stored")
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
