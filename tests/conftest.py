@@ -15,6 +15,13 @@ for folder in ("paratrain", "tests", "examples", "bench"):
 # a run of the suite on an H200 showed (2026-11-26). The `cuda` tests name their devices.
 os.environ.setdefault("PARATRAIN_BACKEND", "gloo")
 
+# matplotlib builds its font cache on first use by running `fc-list`: a process, which the guard
+# below would pin on whichever unmarked test first draws a picture on a fresh machine. Built here.
+try:
+    import matplotlib.font_manager  # noqa: F401
+except ImportError:
+    pass
+
 
 # -- the multiprocess marker ----------------------------------------------------------------------
 # `pytest -m "not multiprocess and not slow"` runs the single-process tests alone, in about half a
