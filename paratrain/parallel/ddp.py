@@ -239,7 +239,7 @@ class DDP(Strategy):
     def ddp_kwargs(self, grid: ProcessGrid) -> dict:
         """The DistributedDataParallel arguments these settings stand for."""
         device = grid.topology.device
-        return dict(device_ids=[device.index] if device.type == "cuda" else None,
+        return dict(device_ids=[device.index] if device.type == "cuda" else None, process_group=grid.data_group(),
                     bucket_cap_mb=self.bucket_cap_mb, find_unused_parameters=self.find_unused_parameters,
                     broadcast_buffers=self.broadcast_buffers)
 

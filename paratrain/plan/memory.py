@@ -11,7 +11,8 @@ from (the functions named are the ones the strategies themselves call):
     single, ddp, hierarchical, pipeline: every parameter; gradients in DDP's buckets
         (buckets.assign / first_layout via grad_sync.first_grad_layout, buckets.buffer_numel:
         padded to 1, or to the node's size for hierarchical); pipeline stages from
-        Pipeline.holdings (partition.py / plan.py), a rank holding stage rank % stages.
+        Pipeline.holdings (partition.py / plan.py), rank r holding stage r // replicas
+        (distributed/grid.py: pp is the grid's outermost axis).
     zero1 / zero2: the same buckets, padded to N (OwnerReduction.pad_to), in param_dtype; the
         parameters live in flat buffers of that layout; the optimizer steps slice r of each
         (stage12.py): a view, or fp32 master copies under param_dtype / offload, with fp32
@@ -293,4 +294,4 @@ def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
         plain = _plain(m.state, params, activations, m.foreach)
         stages.append(RankMemory(params=plain.params, grads=grads, optimizer=plain.optimizer,
                                  activations=activations, workspace=plain.workspace))
-    return [stages[r % strategy.stages] for r in range(m.world)]
+    return [stages[r // replicas] for r in range(m.world)]

@@ -5,9 +5,10 @@
     for batch in session.progress(loader):
         loss = session.train_step(batch, loss_fn)      # the same loop as every strategy
 
-Ranks form one grid, `arange(world).view(replicas, stages)` (distributed/grid.py, picotron's layout): a row is one
-pipeline (rank r is stage r % stages of replica r // stages), a column holds one stage's
-replicas, which average their gradients. So world 4 with stages=2 is 2 stages × 2 replicas.
+Ranks form one grid, `arange(world).view(stages, replicas)` (distributed/grid.py; pp is its
+outermost axis, as in torchtitan's mesh): a column is one pipeline (rank r is stage r // replicas
+of replica r % replicas), a row holds one stage's replicas, which average their gradients. So
+world 4 with stages=2 is 2 stages × 2 replicas, ranks {0, 1} stage 0 and {2, 3} stage 1.
 All stages of a replica read the same batches; the first uses the inputs, the last the targets.
 """
 

@@ -105,4 +105,4 @@ class ZeRO(Strategy):
         return shard(model if has_meta(model) else model.to(device), optimizer, stage=self.stage,
                      bucket_cap_mb=self.bucket_cap_mb, wrap_policy=self.wrap_policy, prefetch=self.prefetch,
                      param_dtype=self.param_dtype, offload=self.offload, collectives=self.collectives,
-                     init=init, device=device)
+                     init=init, device=device, process_group=grid.data_group())
