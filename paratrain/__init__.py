@@ -31,6 +31,7 @@ from paratrain.parallel.hierarchical import Hierarchical, HierarchicalDataParall
 from paratrain.parallel.model_parallel import LayersOnDevices, ModelParallel
 from paratrain.parallel.pipeline import Cut, Pipeline, PipelineStage
 from paratrain.parallel.single import Single
+from paratrain.parallel.tensor import ColwiseLinear, Mesh, RowwiseLinear, VocabEmbedding
 from paratrain.parallel.zero import WrapPolicy, ZeRO, shard
 from paratrain.session.autolog import Logging
 from paratrain.session.session import Session
@@ -45,9 +46,10 @@ __all__ = [
     "gather_embeddings", "nt_xent_loss", "Gathered",
     "DistributedSampler", "partition",
     "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel", "LayersOnDevices",
-    "PipelineStage",
+    "PipelineStage", "ColwiseLinear", "RowwiseLinear", "VocabEmbedding",
     "shard", "full_state_dict", "WrapPolicy",
     "GradScaler", "MetricsLogger", "Logging", "StepWarning", "StepWarnings", "checkpoint_activations",
     "materialize", "load_weights", "install_flight_recorder",
     "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
+    "Mesh",
 ]

@@ -1,0 +1,212 @@
+"""`Mesh`: tensor parallelism inside each layer, composed with a data-parallel strategy over the
+ranks that hold the same slices.
+
+    session = pt.Session(strategy=pt.Mesh(tp=2, dp="zero3"))     # world 4: 2 tp × 2 dp
+    model, optimizer, loader = session.setup(model, optimizer, loader)
+
+setup, on every rank (collective):
+    1. the plan (plan.py) is resolved and checked against the whole model;
+    2. a model built on the meta device gets the planned layers' values whole, by the
+       initialisation rule (components/materialize.py), so each slice is what one process would
+       hold there; any other model is first made equal across the tp group (rank 0's values);
+    3. the planned layers are cut (parallelize.py), the optimizer rebuilt for the slices;
+    4. the data-parallel strategy wraps the cut model over the "dp" group of the grid: the ranks
+       with the same tp rank (distributed/grid.py), which hold the same slices.
+
+So the ranks of one tp group read the same batches (they are one data-parallel replica), and the
+gradients of the cut layers are averaged over dp only: their slices differ across tp. A replicated
+parameter gets the same gradient on every tp rank (ops.py's f and g see to it) and takes the same
+step, so it stays equal without communication; tests check that it does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.components.materialize import Materializer, MetaInit, direct_tensors, has_meta, whole
+from paratrain.components.optim import check_optimizer_owns, clip_grad_norm_over, rebuild_optimizer
+from paratrain.distributed.comm import broadcast_coalesced
+from paratrain.distributed.grid import ProcessGrid
+from paratrain.distributed.topology import Topology
+from paratrain.errors import ConfigError, UsageError
+from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule, Strategy
+from paratrain.parallel.ddp import DDP
+from paratrain.parallel.single import SingleDevice
+from paratrain.parallel.tensor.parallelize import Cut, parallelize
+from paratrain.parallel.tensor.plan import plan_for
+from paratrain.parallel.zero import ZeRO
+
+# what may run over the tp groups, by name (the registry's names for these four)
+DATA_PARALLEL = {"ddp": DDP, "zero1": functools.partial(ZeRO, stage=1), "zero2": functools.partial(ZeRO, stage=2),
+                 "zero3": functools.partial(ZeRO, stage=3)}
+
+
+@dataclass(frozen=True)
+class Mesh(Strategy):
+    """Tensor parallelism over `tp` adjacent ranks, data parallelism (`dp`, any data-parallel
+    strategy by name or object) over the rest of the world."""
+
+    tp: int = 1  # ranks that split each planned layer; adjacent ranks, one node
+    dp: Any = "ddp"  # "ddp", "zero1", "zero2", "zero3" or such a strategy object
+    tp_plan: Mapping[str, str] | None = None  # module pattern → style; None: the model's (plan.py)
+    pp: Any = None  # not yet: a Pipeline composed with tp
+    cp: int = 1  # not yet: context parallelism
+    replicate: int = 1  # not yet: hybrid sharding
+    sequence_parallel: bool = False  # not yet
+
+    name = "mesh"
+
+    def __post_init__(self):
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"Mesh(tp=...) is the number of ranks that split each layer, a positive integer; "
+                              f"got {self.tp!r}")
+        later = [k for k, given, default in (("pp", self.pp, None), ("cp", self.cp, 1), ("replicate", self.replicate, 1),
+                                             ("sequence_parallel", self.sequence_parallel, False))
+                 if given is not default and given != default]
+        if later:
+            raise ConfigError(f"Mesh does not compose {later} with tensor parallelism yet; it composes "
+                              "tp with dp='ddp', 'zero1', 'zero2' or 'zero3'")
+        if self.tp_plan is not None:
+            object.__setattr__(self, "tp_plan", dict(self.tp_plan))
+        self.data_parallel()  # refuse an unknown name now, not at setup
+
+    def __hash__(self) -> int:
+        return hash((self.tp, str(self.dp), tuple(sorted((self.tp_plan or {}).items()))))
+
+    def data_parallel(self) -> Strategy:
+        """The data-parallel strategy object `dp` names."""
+        inner = self.dp if isinstance(self.dp, Strategy) else DATA_PARALLEL.get(self.dp, lambda: None)()
+        if inner is None or inner.name not in DATA_PARALLEL:
+            raise ConfigError(f"Mesh(dp={self.dp!r}): the data-parallel strategy over the tp groups must be "
+                              f"one of {sorted(DATA_PARALLEL)} (a name, or such a strategy object)")
+        return inner
+
+    def grid(self, topology: Topology) -> ProcessGrid:
+        return ProcessGrid(topology, tp=self.tp)
+
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
+        plan = plan_for(model, self.tp_plan, self.tp)
+        if optimizer is not None:
+            check_optimizer_owns(optimizer, model.parameters())
+        tp_group, _ = grid.group("tp")
+        holders, _ = grid.group("dp", "tp")  # every rank of a model copy: made now, on every rank
+        device = grid.topology.device
+        modules = dict(model.named_modules())
+        if has_meta(model):  # the planned layers whole by the rule, to be sliced
+            Materializer(model, init).materialize([t for name in plan.styles for t in direct_tensors(modules[name])])
+        else:
+            model.to(device)
+            broadcast_coalesced([*model.parameters(), *model.buffers()], tp_group)
+        cut = parallelize(model, plan, tp_group, grid.tp_rank, self.tp)
+        for name in plan.styles:
+            model.get_submodule(name).to(device)
+        if optimizer is not None:
+            optimizer = _rebuilt(optimizer, cut)
+        inner_strategy = self.data_parallel()
+        if grid.dp == 1 and inner_strategy.name == "ddp":  # nothing to average: no DDP hooks
+            inner, optimizer = SingleDevice(whole(model, init).to(device)), optimizer
+        else:
+            inner, optimizer = inner_strategy.setup(model, optimizer, grid, init=init)
+        return TensorParallelModel(inner, cut, tp_group, holders, grid.tp_rank), optimizer
+
+
+def _rebuilt(optimizer: torch.optim.Optimizer, cut: Cut) -> torch.optim.Optimizer:
+    """`optimizer` for the cut model: each replaced parameter by its successor."""
+    stateful = [p for p in cut.replaced if optimizer.state.get(p)]
+    if stateful:
+        raise ConfigError("the optimizer already holds state (a step was taken) for layers tensor parallelism "
+                          "cuts: pass a fresh optimizer to setup and load a checkpoint after it")
+    groups = []
+    for group in optimizer.param_groups:
+        seen, params = set(), []
+        for p in group["params"]:
+            new = cut.replaced.get(p, p)
+            if id(new) not in seen:
+                seen.add(id(new))
+                params.append(new)
+        groups.append(params)
+    rebuilt = rebuild_optimizer(optimizer, groups)
+    for p, state in optimizer.state.items():
+        if p not in cut.replaced:
+            rebuilt.state[p] = state
+    return rebuilt
+
+
+class TensorParallelModel(ParallelModule):
+    """A model whose planned layers are cut over tp, wrapped by a data-parallel strategy over dp
+    (`inner`); the protocol (parallel/base.py) is the inner wrapper's, with the tp slices made
+    whole where the protocol speaks of the whole model."""
+
+    def __init__(self, inner: ParallelModule, cut: Cut, tp_group, holders, tp_rank: int):
+        super().__init__()
+        self.inner = inner
+        self.module = inner.module
+        self.shard_dims, self.tp_group, self.holders, self.tp_rank = cut.shard_dims, tp_group, holders, tp_rank
+        self.replicas, self.replica_index = inner.replicas, inner.replica_index
+        self.supports_token_weights = inner.supports_token_weights
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.inner.no_sync():
+            yield
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self.inner.require_backward_grad_sync
+
+    def forward_backward(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
+        return self.inner.forward_backward(inputs, targets, loss_fn, scale)
+
+    def default_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        return self.inner.default_loss(outputs, targets)
+
+    def check_loader(self, loader: Any) -> None:
+        self.inner.check_loader(loader)
+
+    def local_grads(self) -> tuple[list[torch.Tensor], Any]:
+        """The inner wrapper's gradients; the ranks holding the rest are the tp group's, and
+        the data-parallel group's too when the inner wrapper shards (ZeRO)."""
+        grads, group = self.inner.local_grads()
+        return grads, self.tp_group if group is None else self.holders
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The norm of the whole model's gradient: a cut layer's slices summed over tp, a
+        replicated parameter counted once (by tp rank 0), over whatever the inner wrapper holds."""
+        grads, group = self.local_grads()
+        return clip_grad_norm_over(self._counted(), max_norm, group, scale_also=grads)
+
+    def _counted(self) -> list[torch.Tensor]:
+        layout = self.inner.checkpoint_layout()
+        mine = lambda name: name in self.shard_dims or self.tp_rank == 0  # noqa: E731
+        if not layout.flat:
+            return [p.grad for n, p in layout.params.items() if p.grad is not None and mine(n)]
+        counted = []
+        for shard, flat in layout.flat.items():
+            if shard.grad is not None:
+                grad = shard.grad.view(-1)
+                counted += [grad[at:at + length] for name, _, at, length in flat.pieces(flat.rank) if mine(name)]
+        return counted
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        raise UsageError("checkpoints of a tensor-parallel model are not supported yet: save "
+                         "session.full_state_dict() (whole tensors under the model's keys) on rank 0 instead")
+
+    def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The inner wrapper's pieces, each cut tensor gathered whole over tp (collective)."""
+        for piece in self.inner.state_pieces():
+            yield {k: self._whole(v, self.shard_dims[k]) if k in self.shard_dims else v for k, v in piece.items()}
+
+    def _whole(self, value: torch.Tensor, dim: int) -> torch.Tensor:
+        parts = [torch.empty_like(value) for _ in range(dist.get_world_size(self.tp_group))]
+        dist.all_gather(parts, value.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=dim)
