@@ -14,6 +14,8 @@ Every one takes the tensor-parallel group; on a group of one rank each is the id
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -26,6 +28,7 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        _last.release()  # the forward is over: keep nothing of it
         grad = grad.contiguous().clone()  # autograd may hand the same tensor to other branches
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -56,9 +59,45 @@ class _GatherLast(torch.autograd.Function):
         return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None
 
 
+class _LastCopy:
+    """The last f applied: (input, its version, the group, the output). Attention's q, k and v
+    projections (and an MLP's gate and up) are column-parallel layers reading one input, one
+    after another; each applying f of its own would all-reduce that input's gradient three (two)
+    times. Handing the same f output to each makes autograd sum their gradients first, so one
+    all-reduce per input remains, as in Megatron's fused QKV (Narayanan et al. 2021 count one
+    all-reduce per block half in backward). The input must be the same tensor object, unchanged
+    (its version counter), in the same group and grad mode. The slot holds the output itself (a
+    view of the input, which is alive anyway while the layers that read it run) and lets go of it
+    when its backward runs, or the next f replaces it."""
+
+    def __init__(self) -> None:
+        self.slot: tuple | None = None
+
+    def get(self, x: torch.Tensor, group) -> torch.Tensor | None:
+        if self.slot is None:
+            return None
+        ref, version, held_group, out = self.slot
+        return out if ref() is x and x._version == version and held_group is group else None
+
+    def put(self, x: torch.Tensor, group, out: torch.Tensor) -> None:
+        self.slot = (weakref.ref(x), x._version, group, out)
+
+    def release(self) -> None:
+        self.slot = None
+
+
+_last = _LastCopy()
+
+
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
-    """Megatron's f: identity forward, all-reduce backward."""
-    return _CopyTo.apply(x, group) if torch.is_grad_enabled() and x.requires_grad else x
+    """Megatron's f: identity forward, all-reduce backward (one f per input tensor: _LastCopy)."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    out = _last.get(x, group)
+    if out is None:
+        out = _CopyTo.apply(x, group)
+        _last.put(x, group, out)
+    return out
 
 
 def reduce_from(x: torch.Tensor, group) -> torch.Tensor:

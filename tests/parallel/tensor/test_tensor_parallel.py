@@ -159,3 +159,41 @@ def test_torch_dtensor_tensor_parallelism_reaches_the_same_parameters(runs):
     theirs = runs[2][0][CASES[2].index((None, {}))]["whole"]
     assert_close(ours, theirs)
     assert_close(theirs, reference())
+
+
+def count_collectives(topo, layers, sequence_parallel=False):
+    """The collectives one forward and backward of the cut model issues: (name, elements) each."""
+    import torch.distributed as dist
+
+    with pt.Session(strategy=pt.Mesh(tp=2), topology=topo, progress_bar=False) as session:
+        model = llama(layers=layers)
+        model, _ = session.setup(model, optimizer(model.parameters(), "sgd"))
+        x, y = token_batches(1, GLOBAL_BATCH)[0]
+        calls = []
+        originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "reduce_scatter_tensor",
+                                                             "all_gather_into_tensor", "broadcast")}
+
+        def counting(name):
+            def call(tensor, *args, **kwargs):
+                calls.append((name, (tensor if torch.is_tensor(tensor) else args[0]).numel()))
+                return originals[name](tensor, *args, **kwargs)
+            return call
+
+        for name in originals:
+            setattr(dist, name, counting(name))
+        try:
+            model.forward_backward(x, y, lm_loss, 1.0)
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+    return calls
+
+
+def test_each_block_all_reduces_its_activations_once_forward_and_once_backward():
+    """Per block, one all-reduce of b·s·h elements after attention and one after the MLP in
+    forward, and one for each half's input gradient in backward (q, k and v share theirs, as do
+    gate and up); nothing else. The formula of Narayanan et al. (2021), §3.2."""
+    layers, width = 3, 32
+    b_s_h = GLOBAL_BATCH * token_batches(1, GLOBAL_BATCH)[0][0].shape[1] * width
+    for calls in run_on_ranks(count_collectives, 2, layers, timeout=120):
+        assert calls == [("all_reduce", b_s_h)] * (4 * layers)
