@@ -71,7 +71,8 @@ def test_a_busy_machine_is_refused_before_the_run_starts(tmp_path, monkeypatch):
     assert common.load_at_start(_args(tmp_path, force=True))[0] == 2.0
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero", "pipeline", "hierarchical", "session", "plan_accuracy", "launch"])
+@pytest.mark.parametrize("name", ["ddp", "zero", "pipeline", "hierarchical", "session", "plan_accuracy", "launch",
+                                  "tensor_parallel"])
 def test_every_benchmark_takes_force(name):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
     bench = importlib.util.module_from_spec(spec)

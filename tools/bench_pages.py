@@ -444,6 +444,31 @@ def cpu_malloc_page(runs: dict[str, dict]) -> str:
     return page("Keeping freed blocks on CPU ranks", runs, intro, cmd, table(headers, rows))
 
 
+def tensor_parallel_page(runs: dict[str, dict]) -> str:
+    d = runs["tensor_parallel"]
+    s, r = d["settings"], d["llama"]
+    intro = (f"Tensor parallelism, `pt.Mesh(tp={s['tp']})`, against torch's DTensor tensor parallelism "
+             "(`parallelize_module` with `ColwiseParallel` / `RowwiseParallel`) on the same Llama-style model "
+             f"({s['layers']} blocks of width {s['width']}, {s['heads']} heads, {s['kv_heads']} kv heads, MLP "
+             f"{s['hidden']}, vocabulary {s['vocab']}) and plan: world {s['world']} on gloo, "
+             f"{threads(s['threads'])} per rank, {s['tokens_per_step']} tokens per step, {s['optimizer']}, "
+             f"{s['rounds']} interleaved rounds of {s['steps']} steps, medians. Bytes are the elements of every "
+             "collective one step of ours issues, × 4, against the formula (per block one all-reduce of b·s·h "
+             "after attention and one after the MLP in forward, one per half in backward); torch's are counted "
+             "as calls by its CommDebugMode. Held bytes are a rank's parameters, gradients and Adam moments "
+             "against 16 bytes × (replicated + cut / tp).")
+    rows = [[f"{r['ours_ms']:.1f}", f"{r['torch_ms']:.1f}", f"{r['ratio']:.3f}", f"{r['max_param_diff']:.0e}",
+             f"{r['bytes_per_step']:,}", f"{r['formula_bytes_per_step']:,}",
+             "yes" if r["collectives_match_formula"] else "no",
+             ", ".join(f"{n} {op}" for op, n in r["torch_collective_calls"].items()),
+             f"{r['held_bytes'] / MIB:.1f}", f"{r['formula_held_bytes'] / MIB:.1f}", f"{r['held_over_formula']:.3f}"]]
+    headers = ["ours ms/step", "DTensor ms/step", "ratio", "max param diff", "ours bytes/step", "formula bytes/step",
+               "collectives as the formula", "DTensor collectives/step", "held MiB", "formula MiB", "held / formula"]
+    cmd = commands("python bench/tensor_parallel.py" + options(s, *TIMING, ("tokens_per_step", "--batch"))
+                   + out("tensor_parallel"))
+    return page("Tensor parallelism against torch's DTensor", runs, intro, cmd, table(headers, rows))
+
+
 def published_value(x: float | None, unit: str) -> str:
     if x is None:
         return "-"
@@ -491,6 +516,7 @@ PAGES = (
     Page("hierarchical.md", ("hierarchical",), hierarchical_page),
     Page("cpu_malloc.md", ("cpu_malloc",), cpu_malloc_page),
     Page("plan_published.md", ("plan_published",), plan_published_page),
+    Page("tensor_parallel.md", ("tensor_parallel",), tensor_parallel_page),
 )
 
 
