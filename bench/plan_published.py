@@ -20,8 +20,9 @@ In the paper's unit:
       efficiency
 error = predicted / published − 1 (for a time, negative: predicted faster); the issue aims at 25 %.
 
-A setting paratrain cannot run (tensor parallelism), or one its paper does not state enough of to
-rebuild, is a row with the published figure, no prediction, and why (`note`).
+A setting paratrain cannot run (tensor parallelism composed with a pipeline), or one its paper does
+not state enough of to rebuild, is a row with the published figure, no prediction, and why (`note`).
+Tensor-parallel settings are planned with `pt.Mesh(tp, dp="ddp")` (plan/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ ZERO = "Rajbhandari et al., SC 2020, ZeRO (arXiv:1910.02054)"
 MEGATRON_V1 = "NVIDIA ADLR 2020, MegatronLM's Supercharged V1.0 (nv-adlr.github.io/MegatronLMV1)"
 DDP_PAPER = "Li et al., VLDB 2020, PyTorch Distributed (arXiv:2006.15704)"
 TFLOPS, EFFICIENCY, STEP_MS = "TFLOP/s per GPU", "weak-scaling efficiency", "ms per step"
-NO_TP = "not comparable: needs tensor parallelism, which paratrain lacks"
+NO_TP = "not comparable: needs tensor parallelism composed with a pipeline, which paratrain lacks"
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,20 @@ SETTINGS = [
               strategy=pt.ZeRO(stage=3, param_dtype=torch.float16),
               note="DeepSpeed's ZeRO-3; planned as zero3 gathering fp16 parameters (param_dtype), default units")
       for gpus, published in ((384, 144), (768, 88), (1536, 44))],
-    Setting(MEGATRON, "Figure 5 (512 GPUs), §5.1.1", "8.3B GPT-2, 8-way tensor x 64-way data parallel on 512 V100",
-            0.74, EFFICIENCY, gpus=512, note=NO_TP),
+    Setting(MEGATRON, "Figure 5 (512 GPUs), §5.1.1", "8.3B GPT-2, 8-way tensor x 64-way data parallel on 512 V100 "
+            "(32 DGX-2H), batch 512", 0.74, EFFICIENCY, gpus=512, batch=512,
+            model=GPT(layers=72, hidden=3072, heads=32, seq=1024), cluster="v100-dgx2h",
+            strategy=pt.Mesh(tp=8, dp="ddp"), baseline=ONE_V100,
+            note="weak scaling: FLOP/s per GPU over the first row's (Eq. (3) on both sides: the models differ); "
+                 "planned with Megatron's cut, every matrix of the blocks"),
+    *[Setting(NARAYANAN, f"Table 1, {size} row", f"{size} GPT, seq 2048, batch {batch} on {gpus} A100, TP {tp}, PP 1",
+              published, TFLOPS, gpus=gpus, batch=batch, model=GPT(layers=layers, hidden=hidden, heads=heads, seq=2048),
+              cluster="a100-8x", strategy=pt.Mesh(tp=tp, dp="ddp"),
+              note=f"tensor parallel {tp} inside a node, data parallel over the rest; the micro-batch is not stated, "
+                   f"planned as one pass of {batch * tp // gpus} per replica")
+      for size, heads, hidden, layers, tp, gpus, batch, published in (
+          ("3.6B", 32, 3072, 30, 2, 64, 512, 138), ("7.5B", 32, 4096, 36, 4, 128, 512, 142),
+          ("18.4B", 48, 6144, 40, 8, 256, 1024, 135))],
     Setting(NARAYANAN, "Table 1, 145.6B row", "145.6B GPT, TP 8 x PP 8 on 1536 A100, batch 2304", 148, TFLOPS,
             gpus=1536, note=NO_TP),
     Setting(NARAYANAN, "Table 2, PTD parallelism", "GPT-3 175B, model-parallel size 96 on 384 A100, batch 1536",
@@ -147,7 +160,7 @@ def predict(s: Setting) -> dict:
     nodes = nodes_for(s.gpus, cluster)
     seconds = predict_time(source, s.strategy, step, cluster, gpus=s.gpus, nodes=nodes, facts=facts)
     memory = memory_rows(source, gpus=s.gpus, gpus_per_node=s.gpus // nodes, optimizer="adam",
-                         activation_bytes=step.activation_bytes, chosen=[s.strategy])[0]
+                         activation_bytes=step.activation_bytes, chosen=[s.strategy], step=step)[0]
     return {"step_seconds": seconds.total, "compute_seconds": seconds.compute,
             "exposed_comm_seconds": seconds.exposed_comm, "comm_seconds": seconds.comm,
             "optimizer_seconds": seconds.optimizer, "nodes": nodes, "device_peak_gib": memory["device_peak"] / 2**30,
@@ -155,6 +168,9 @@ def predict(s: Setting) -> dict:
 
 
 def in_paper_unit(s: Setting, got: dict, base: dict | None) -> float:
+    if s.unit == EFFICIENCY and s.model != s.baseline.model:  # weak scaling: FLOP/s per GPU, both by Eq. (3)
+        return (s.model.flops(s.batch) / got["step_seconds"] / s.gpus) / \
+            (s.baseline.model.flops(s.baseline.batch) / base["step_seconds"])
     if s.unit == EFFICIENCY:  # samples per second per GPU, against the baseline's
         return (s.batch / got["step_seconds"] / s.gpus) / (s.baseline.batch / base["step_seconds"])
     if s.unit == STEP_MS:

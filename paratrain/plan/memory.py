@@ -20,6 +20,8 @@ from (the functions named are the ones the strategies themselves call):
     zero3: units from WrapPolicy.select, parameters by units.params_by_unit / flats_by_unit, one
         flat shard per unit and param group (and per big root parameter) of padded_numel(numel, N)
         / N elements (flat_shard.py), its gradient the same size; frozen parameters stay whole.
+    mesh (tensor parallel): the data-parallel strategy's figures on the model as a tp rank holds
+        it (each cut parameter 1/tp: plan/tensor_parallel.py) over world / tp ranks.
     The optimizer keeps `OptimizerState.per_element` tensors the size of each tensor it steps,
     in its dtype, plus `scalar_bytes` per tensor (Adam's `step`).
   A caveat for hierarchical only: its buckets are laid out again in the order gradients arrived,
@@ -84,10 +86,12 @@ from paratrain.parallel.ddp import DDP
 from paratrain.parallel.hierarchical import Hierarchical
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.single import Single
+from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
 from paratrain.plan.block_regions import stage_shares
 from paratrain.plan.layouts import data_parallel_layout, stage_layout, zero12_layout
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
+from paratrain.plan.tensor_parallel import activation_fraction, cut_copy
 from paratrain.plan.zero3_backward import backward_peak, zero3_walk_flats
 
 
@@ -156,6 +160,8 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
                    accumulate, step)
     if isinstance(strategy, Pipeline):
         return _pipeline(facts, strategy)
+    if isinstance(strategy, Mesh):
+        return _mesh(facts, strategy, local_world or world)
     if isinstance(strategy, ZeRO):
         if strategy.stage not in (1, 2, 3):
             raise ConfigError(f"ZeRO has stages 1, 2 and 3; got stage={strategy.stage!r}")
@@ -262,6 +268,20 @@ def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
                       activations=m.activations,
                       host=2 * shard_bytes + optimizer if strategy.offload else 0,
                       workspace=0 if strategy.offload else m.state.workspace(shards, m.foreach))
+
+
+def _mesh(m: _Model, strategy: Mesh, local_world: int) -> list[RankMemory]:
+    """Tensor parallelism: the data-parallel strategy's memory on the cut model (what a tp rank
+    holds: plan/tensor_parallel.py) over world / tp ranks; activations cut as the papers measure."""
+    tp = strategy.tp
+    if m.world % tp:
+        raise ConfigError(f"tp={tp} does not divide the world size {m.world}")
+    checkpointed = m.step is not None and bool(m.step.checkpointed)  # what is kept are block inputs, whole
+    activations = m.activation_bytes if checkpointed else int(m.activation_bytes * activation_fraction(tp))
+    ranks = predict(cut_copy(m.module, strategy), strategy.data_parallel(), world=m.world // tp, optimizer=m.state,
+                    local_world=max(1, local_world // tp), activation_bytes=activations, foreach=m.foreach,
+                    accumulate=m.accumulate)
+    return [ranks[r // tp] for r in range(m.world)]  # rank r is dp rank r // tp (distributed/grid.py)
 
 
 def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:

@@ -24,8 +24,9 @@ from paratrain.parallel.base import Strategy
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.hierarchical import Hierarchical
 from paratrain.parallel.pipeline import Pipeline
+from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
-from paratrain.plan import step_time
+from paratrain.plan import step_time, tensor_parallel
 from paratrain.plan.block_regions import stage_shares
 from paratrain.plan.cluster import Cluster
 from paratrain.plan.comm_model import Group
@@ -43,7 +44,7 @@ def plan_rows(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus:
     the devices spread evenly over `nodes` (default: nodes_for's); `accumulate` micro-batches
     per optimizer step."""
     nodes = nodes_for(gpus, cluster, nodes)
-    chosen = strategies(gpus, facts.batch // accumulate, offload=cluster.host_link is not None)
+    chosen = strategies(gpus, facts.batch // accumulate, offload=cluster.host_link is not None, per_node=gpus // nodes)
     how = {"gpus": gpus, "nodes": nodes, "optimizer": optimizer, "accumulate": accumulate}
     plain = _rows(source, facts, facts.step, cluster, chosen, **how)
     if facts.checkpointed is None:
@@ -104,6 +105,8 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
                  facts: ModelFacts, accumulate: int = 1) -> step_time.StepTime:
     """`strategy`'s step on `gpus` devices spread evenly over `nodes` nodes of `cluster` (step_time.py),
     the optimizer step included; `accumulate` micro-batches of the batch per step."""
+    if isinstance(strategy, Mesh):
+        return _mesh_time(source, strategy, step, cluster, gpus=gpus, nodes=nodes, facts=facts, accumulate=accumulate)
     at_once = 1 / gpus if not isinstance(strategy, Pipeline) else strategy.stages / gpus / strategy.microbatches
     at_once /= accumulate
     compute = step_time.Compute.of(step.flops_forward, step.flops_backward, cluster, FLOPS_DTYPE[facts.precision],
@@ -140,6 +143,24 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
             seconds = dataclasses.replace(seconds, comm=seconds.comm + copies,
                                           exposed_comm=seconds.exposed_comm + copies)
     return dataclasses.replace(seconds, optimizer=optimizer)
+
+
+def _mesh_time(source: ModelSource, strategy: Mesh, step: StepCount, cluster: Cluster, *, gpus: int, nodes: int,
+               facts: ModelFacts, accumulate: int) -> step_time.StepTime:
+    """Tensor parallelism (plan/tensor_parallel.py): the data-parallel strategy's step on the cut
+    model over gpus / tp ranks, its compute the cut share, plus the tp all-reduces, all exposed."""
+    tp = strategy.tp
+    if gpus % tp:
+        raise ConfigError(f"tp={tp} does not divide {gpus} devices")
+    dp = gpus // tp
+    cut = ModelSource(source.name, lambda: tensor_parallel.cut_copy(source.shared, strategy), source.default_seq)
+    inner = predict_time(cut, strategy.data_parallel(), step, cluster, gpus=dp, nodes=min(nodes, dp), facts=facts,
+                         accumulate=accumulate)
+    share = tensor_parallel.compute_fraction(tp, step.block_flops, step.flops_forward)
+    comm = tensor_parallel.tp_seconds(step.block_output_bytes, tp=tp, dp=dp, accumulate=accumulate,
+                                      recompute=bool(step.checkpointed), cluster=cluster)
+    return dataclasses.replace(inner, compute=inner.compute * share, exposed_comm=inner.exposed_comm + comm,
+                               comm=inner.comm + comm)
 
 
 def _collectives(strategy: Strategy, compute: step_time.Compute, *, sent, cluster: Cluster, gpus: int, nodes: int,
@@ -185,6 +206,8 @@ def session_line(strategy: Strategy, step: StepCount, precision: str = "32", acc
     if isinstance(strategy, Pipeline):
         name = (f"pt.Pipeline(stages={strategy.stages}, schedule={strategy.schedule!r}, "
                 f"microbatches={strategy.microbatches})")
+    elif isinstance(strategy, Mesh):
+        name = f"pt.Mesh(tp={strategy.tp}, dp={strategy.data_parallel().name!r})"
     elif isinstance(strategy, ZeRO) and strategy.offload:
         name = f"pt.ZeRO(stage={strategy.stage}, offload=True)"
     else:

@@ -93,9 +93,11 @@ def test_gpus_adds_each_strategys_memory_per_rank(capsys):
     assert code == 0
     rows = {row["label"]: row for row in got["strategies"]}
     assert [r["strategy"] for r in got["strategies"]] == ["ddp", "hierarchical"] + ["zero1", "zero2", "zero3"] * 2 + [
-        "pipeline"]
+        "pipeline"] + ["mesh"] * 3
     assert list(rows)[5:8] == ["zero1+offload", "zero2+offload", "zero3+offload"]  # no cluster: every row
-    assert "cuts an nn.Sequential" in got["strategies"][-1]["error"]  # an MLP module is no Sequential
+    assert "cuts an nn.Sequential" in got["strategies"][8]["error"]  # an MLP module is no Sequential
+    assert list(rows)[9:] == ["tp2 x ddp", "tp2 x zero1", "tp2 x zero3"]
+    assert all("has no plan and no stack of identical blocks" in r["error"] for r in got["strategies"][9:])
     step = got["model"]["step"]
     activations = max(step["transient_bytes"], step["activation_bytes"])  # StepCount.activation_peak_bytes
     for name, strategy in (("ddp", pt.DDP()), ("zero3", pt.ZeRO(stage=3)),

@@ -1,0 +1,68 @@
+"""`paratrain plan` with tensor parallelism (plan/tensor_parallel.py): its rows, its step's parts,
+and its recommendation where the layers fit nowhere else. (Its per-rank bytes are checked
+against real runs in test_plan_memory.py.)"""
+
+import dataclasses
+
+import pytest
+
+import paratrain as pt
+from paratrain.plan import tensor_parallel
+from paratrain.plan.cluster_presets import preset
+from paratrain.plan.model_probe import model_facts
+from paratrain.plan.model_source import ModelSource, resolve
+from paratrain.plan.recommend import plan_rows, predict_time, recommend
+from tests.support.llama import Llama
+
+MIB = 2**20
+
+
+def wide() -> Llama:
+    """Four blocks whose gathered ZeRO-3 units are most of what a rank holds."""
+    return Llama(vocab=64, width=2048, layers=4, heads=16, kv_heads=16, hidden=8192)
+
+
+@pytest.fixture(scope="module")
+def planned():
+    source = resolve("tests.plan.test_plan_tensor_parallel:wide")
+    return source, model_facts(source, 8, seq=16), dataclasses.replace(preset("h100-8x"), host_link=None)
+
+
+def test_each_width_and_data_parallel_strategy_is_a_row_with_its_session(planned):
+    source, facts, cluster = planned
+    rows = {r["label"]: r for r in plan_rows(source, facts, cluster, gpus=8, optimizer="adam")}
+    for tp in (2, 4, 8):
+        for dp in ("ddp", "zero1", "zero3"):
+            assert rows[f"tp{tp} x {dp}"]["session"] == f"pt.Session(pt.Mesh(tp={tp}, dp={dp!r}))"
+    # a rank holds the replicated parameters whole and 1/tp of the cut ones (fp32: 4 bytes each)
+    model = source.shared
+    cut = {n for n in tensor_parallel.cut_modules(model, pt.Mesh(tp=8))}
+    cut_numel = sum(p.numel() for name, m in model.named_modules() if name in cut for p in m.parameters())
+    whole = sum(p.numel() for p in model.parameters())
+    assert rows["tp8 x ddp"]["params"] == 4 * (whole - cut_numel + cut_numel // 8)
+
+
+def test_the_step_is_the_data_parallel_step_on_the_cut_model_plus_the_tp_all_reduces(planned):
+    source, facts, cluster = planned
+    mesh, step = pt.Mesh(tp=2, dp="zero1"), facts.step
+    got = predict_time(source, mesh, step, cluster, gpus=8, nodes=1, facts=facts)
+    cut = ModelSource(source.name, lambda: tensor_parallel.cut_copy(source.shared, mesh), source.default_seq)
+    inner = predict_time(cut, pt.ZeRO(stage=1), step, cluster, gpus=4, nodes=1, facts=facts)
+    all_reduces = tensor_parallel.tp_seconds(step.block_output_bytes, tp=2, dp=4, accumulate=1, recompute=False,
+                                             cluster=cluster)
+    assert all_reduces > 0 and len(step.block_output_bytes) == 4
+    assert got.exposed_comm == pytest.approx(inner.exposed_comm + all_reduces)
+    share = tensor_parallel.compute_fraction(2, step.block_flops, step.flops_forward)
+    assert 0.5 < share < 0.6  # the blocks are most of the work: about half of it per rank
+    assert got.compute == pytest.approx(inner.compute * share)
+
+
+def test_a_model_whose_layers_fit_nowhere_else_is_recommended_tensor_parallel(planned):
+    source, facts, cluster = planned
+    rows = plan_rows(source, facts, cluster, gpus=8, optimizer="adam")
+    plain = min(r["device_peak"] for r in rows if "error" not in r and r["strategy"] != "mesh")
+    tp = min(r["device_peak"] for r in rows if "error" not in r and r["strategy"] == "mesh")
+    assert tp < plain  # zero3 gathers whole layers; tp gathers (or holds) an eighth of them
+    small = dataclasses.replace(cluster, device_memory=(tp + plain) // 2)
+    best = recommend(plan_rows(source, facts, small, gpus=8, optimizer="adam"))
+    assert best is not None and best["session"].startswith("pt.Session(pt.Mesh(tp=")
