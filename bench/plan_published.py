@@ -90,6 +90,7 @@ class Setting:
     strategy: pt.Strategy | None = None
     baseline: Setting | None = None  # the 1-GPU run an efficiency is relative to
     flops: float = 0.0  # FLOPs per step behind a TFLOPS figure, where its authors' count is known (0: Eq. (3))
+    accumulate: int = 1  # micro-batches per step, where one pass of the replica's batch would not fit
     note: str = ""
 
 
@@ -130,12 +131,13 @@ SETTINGS = [
                  "planned with Megatron's cut, every matrix of the blocks"),
     *[Setting(NARAYANAN, f"Table 1, {size} row", f"{size} GPT, seq 2048, batch {batch} on {gpus} A100, TP {tp}, PP 1",
               published, TFLOPS, gpus=gpus, batch=batch, model=GPT(layers=layers, hidden=hidden, heads=heads, seq=2048),
-              cluster="a100-8x", strategy=pt.Mesh(tp=tp, dp="ddp"),
+              cluster="a100-8x", strategy=pt.Mesh(tp=tp, dp="ddp"), accumulate=accumulate,
               note=f"tensor parallel {tp} inside a node, data parallel over the rest; the micro-batch is not stated, "
-                   f"planned as one pass of {batch * tp // gpus} per replica")
-      for size, heads, hidden, layers, tp, gpus, batch, published in (
-          ("3.6B", 32, 3072, 30, 2, 64, 512, 138), ("7.5B", 32, 4096, 36, 4, 128, 512, 142),
-          ("18.4B", 48, 6144, 40, 8, 256, 1024, 135))],
+                   f"planned as {accumulate} pass(es) of {batch * tp // gpus // accumulate} per replica, the fewest "
+                   "that fit")
+      for size, heads, hidden, layers, tp, gpus, batch, published, accumulate in (
+          ("3.6B", 32, 3072, 30, 2, 64, 512, 138, 1), ("7.5B", 32, 4096, 36, 4, 128, 512, 142, 1),
+          ("18.4B", 48, 6144, 40, 8, 256, 1024, 135, 2))],
     Setting(NARAYANAN, "Table 1, 145.6B row", "145.6B GPT, TP 8 x PP 8 on 1536 A100, batch 2304", 148, TFLOPS,
             gpus=1536, note=NO_TP),
     Setting(NARAYANAN, "Table 2, PTD parallelism", "GPT-3 175B, model-parallel size 96 on 384 A100, batch 1536",
@@ -158,9 +160,11 @@ def predict(s: Setting) -> dict:
     step = facts.checkpointed  # every setting here recomputes its blocks' activations
     cluster = preset(s.cluster)
     nodes = nodes_for(s.gpus, cluster)
-    seconds = predict_time(source, s.strategy, step, cluster, gpus=s.gpus, nodes=nodes, facts=facts)
+    seconds = predict_time(source, s.strategy, step, cluster, gpus=s.gpus, nodes=nodes, facts=facts,
+                           accumulate=s.accumulate)
     memory = memory_rows(source, gpus=s.gpus, gpus_per_node=s.gpus // nodes, optimizer="adam",
-                         activation_bytes=step.activation_bytes, chosen=[s.strategy], step=step)[0]
+                         activation_bytes=step.activation_bytes, chosen=[s.strategy], step=step,
+                         accumulate=s.accumulate)[0]
     return {"step_seconds": seconds.total, "compute_seconds": seconds.compute,
             "exposed_comm_seconds": seconds.exposed_comm, "comm_seconds": seconds.comm,
             "optimizer_seconds": seconds.optimizer, "nodes": nodes, "device_peak_gib": memory["device_peak"] / 2**30,
