@@ -5,6 +5,8 @@
     paratrain run -n 2 examples/gpt.py --strategy zero3 --meta-init   # each rank builds only its shards
     paratrain run -n 2 examples/gpt.py --strategy zero3 --meta-init --init-from gpt.safetensors  # an --export
     paratrain run -n 4 examples/gpt.py --strategy pipeline --stages 4 --layers 4   # a block per stage
+    paratrain run -n 2 examples/gpt.py --tp 2              # each block's weights split over two ranks
+    paratrain run -n 4 examples/gpt.py --tp 2 --strategy zero3   # tp 2 x zero3 over 2
     python examples/gpt.py --strategy single                # one process, the reference
 
 The text is every docstring (module, class, function) of a fixed, sorted list of standard-library
@@ -18,6 +20,8 @@ position embeddings, `--layers` pre-LayerNorm blocks of causal self-attention an
 LayerNorm and a head whose weight is the token embedding's (tied weights: one parameter used in
 two places, which every strategy must handle). Under `--strategy zero3` each `Block` is a unit of
 its own: its parameters are gathered just before its forward and backward and freed after.
+With `--tp N` each block's projections are cut over N ranks (`GPT.tp_plan`, Megatron's split) and
+`--strategy` runs over the world / N ranks that hold the same slices.
 
 The loop is a single-device loop; `pt.Session` makes it distributed. At the end rank 0 prints
 `validation loss: …`, the tokens per second and a sample from the model, and writes
@@ -94,19 +98,25 @@ def datasets(text: str, block: int, samples: int, seed: int) -> tuple[Windows, W
 
 
 class CausalSelfAttention(nn.Module):
+    """Queries, keys and values by three projections; the number of heads is read from their
+    width, so under tensor parallelism (`--tp`), where each rank's q, k and v are its own heads'
+    columns only, the same code runs on the local heads."""
+
     def __init__(self, width: int, heads: int):
         super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
+        self.heads, self.head_dim = heads, width // heads
+        self.q, self.v = nn.Linear(width, width), nn.Linear(width, width)
+        # no bias on the keys: it adds q·b to every score of a query alike, which softmax ignores,
+        # so its gradient is rounding noise, and Adam would step on that noise
+        self.k = nn.Linear(width, width, bias=False)
         self.proj = nn.Linear(width, width)
 
     def forward(self, x):  # x: (B, T, C)
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)  # each (B, T, C)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for z in (q, k, v))  # each (B, H, T, C/H)
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for z in (self.q(x), self.k(x), self.v(x)))  # each (B, H, T, C/H); H this rank's heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -124,6 +134,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # what `pt.Mesh(tp=...)` cuts (Megatron's split): each block's q, k, v and first MLP layer by
+    # their output columns, the attention's and the MLP's output projections by their input rows;
+    # the embeddings, LayerNorms and the tied head are held whole by every rank
+    tp_plan = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+               "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
     def __init__(self, vocab: int, block: int, layers: int, width: int, heads: int):
         super().__init__()
         self.tokens = nn.Embedding(vocab, width)    # (V, C)
@@ -238,9 +254,13 @@ def save_results(out: str, rows: list[dict], losses: list[float]) -> None:
     fig.savefig(os.path.join(out, "loss.png"), dpi=100)
 
 
-def strategy_for(name: str, stages: int = 2, schedule: str = "1f1b") -> str | pt.Strategy:
+def strategy_for(name: str, stages: int = 2, schedule: str = "1f1b", tp: int = 1) -> str | pt.Strategy:
     """zero3 with each transformer block a unit of its own; a pipeline cut between blocks (the
-    token embedding on the first stage, tied to the head on the last); any other name as it is."""
+    token embedding on the first stage, tied to the head on the last); with `tp` > 1 the blocks
+    cut over tp ranks (GPT.tp_plan) and `name` the data parallelism over the rest; any other name
+    as it is."""
+    if tp > 1:
+        return pt.Mesh(tp=tp, dp=strategy_for(name))
     if name == "zero3":
         return pt.ZeRO(stage=3, wrap_policy=pt.WrapPolicy(module_classes=(Block,)))
     if name == "pipeline":
@@ -253,6 +273,9 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--strategy", default="ddp", help="single | ddp | zero1 | zero2 | zero3 | pipeline")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (--strategy pipeline)")
     parser.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b | gpipe")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor parallel: cut each block over this many ranks; --strategy (ddp, zero1-3) "
+                             "then runs over the rest")
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch, over all ranks")
     parser.add_argument("--block-size", type=int, default=64, help="context length in characters")
@@ -275,7 +298,7 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--out", default="runs/gpt")
     args = parser.parse_args(argv)
 
-    session = pt.Session(strategy=strategy_for(args.strategy, args.stages, args.schedule), seed=args.seed,
+    session = pt.Session(strategy=strategy_for(args.strategy, args.stages, args.schedule, args.tp), seed=args.seed,
                          max_grad_norm=args.max_grad_norm,
                          activation_checkpointing="auto" if args.activation_checkpointing else None)
     train, val = datasets(stdlib_docstrings(), args.block_size, args.steps * args.batch_size, args.seed)
@@ -311,7 +334,7 @@ def main(argv: list[str] | None = None) -> float:
     text = sample(model, args.prompt, args.sample_chars, args.block_size, session, seed=args.seed)
     session.print(f"validation loss: {val_loss:.4f}")
     session.print(f"tokens per second: {tokens_per_s} ({session.world_size} process(es), "
-                  f"strategy {args.strategy}, {train_time:.1f} s of training)")
+                  f"strategy {args.strategy}{f', tp {args.tp}' if args.tp > 1 else ''}, {train_time:.1f} s of training)")
     session.print(f"sample:\n{text}\n")
     if args.export:
         session.export(args.export)
