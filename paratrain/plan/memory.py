@@ -274,6 +274,8 @@ def _mesh(m: _Model, strategy: Mesh, local_world: int) -> list[RankMemory]:
     """Tensor parallelism: the data-parallel strategy's memory on the cut model (what a tp rank
     holds: plan/tensor_parallel.py) over world / tp ranks; activations cut as the papers measure."""
     tp = strategy.tp
+    if strategy.pp is not None:
+        raise ConfigError("the planner does not plan a pipeline of tensor-parallel stages (Mesh(pp=...)) yet")
     if m.world % tp:
         raise ConfigError(f"tp={tp} does not divide the world size {m.world}")
     checkpointed = m.step is not None and bool(m.step.checkpointed)  # what is kept are block inputs, whole

@@ -150,6 +150,8 @@ def _mesh_time(source: ModelSource, strategy: Mesh, step: StepCount, cluster: Cl
     """Tensor parallelism (plan/tensor_parallel.py): the data-parallel strategy's step on the cut
     model over gpus / tp ranks, its compute the cut share, plus the tp all-reduces, all exposed."""
     tp = strategy.tp
+    if strategy.pp is not None:
+        raise ConfigError("the planner does not plan a pipeline of tensor-parallel stages (Mesh(pp=...)) yet")
     if gpus % tp:
         raise ConfigError(f"tp={tp} does not divide {gpus} devices")
     dp = gpus // tp

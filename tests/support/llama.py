@@ -88,11 +88,18 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.tp_plan = dict(PLAN)
 
+    # embed → layers → head: what a pipeline cuts at its layers (Pipeline(layers="layers"))
+    def pipeline_embed(self, ids):
+        return self.embed(ids)
+
+    def pipeline_head(self, x):
+        return self.lm_head(self.norm(x))
+
     def forward(self, ids):
-        x = self.embed(ids)
+        x = self.pipeline_embed(ids)
         for layer in self.layers:
             x = layer(x)
-        return self.lm_head(self.norm(x))
+        return self.pipeline_head(x)
 
 
 def llama(seed: int = 0, dtype=torch.float64, **kwargs) -> Llama:

@@ -38,6 +38,7 @@ from paratrain.distributed.topology import Topology
 from paratrain.errors import ConfigError, UsageError
 from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule, Strategy
 from paratrain.parallel.ddp import DDP
+from paratrain.parallel.pipeline import Pipeline, PipelineStage
 from paratrain.parallel.single import SingleDevice
 from paratrain.parallel.tensor.parallelize import Cut, parallelize
 from paratrain.parallel.tensor.plan import plan_for
@@ -51,12 +52,13 @@ DATA_PARALLEL = {"ddp": DDP, "zero1": functools.partial(ZeRO, stage=1), "zero2":
 @dataclass(frozen=True)
 class Mesh(Strategy):
     """Tensor parallelism over `tp` adjacent ranks, data parallelism (`dp`, any data-parallel
-    strategy by name or object) over the rest of the world."""
+    strategy by name or object) over the rest of the world; with `pp`, a pipeline of
+    tensor-parallel stages, its replicas the data-parallel ranks."""
 
     tp: int = 1  # ranks that split each planned layer; adjacent ranks, one node
     dp: Any = "ddp"  # "ddp", "zero1", "zero2", "zero3" or such a strategy object
     tp_plan: Mapping[str, str] | None = None  # module pattern → style; None: the model's (plan.py)
-    pp: Any = None  # not yet: a Pipeline composed with tp
+    pp: Pipeline | None = None  # a pipeline of tensor-parallel stages (its replicas are the dp ranks)
     cp: int = 1  # not yet: context parallelism
     replicate: int = 1  # not yet: hybrid sharding
     sequence_parallel: bool = False  # not yet
@@ -67,7 +69,7 @@ class Mesh(Strategy):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"Mesh(tp=...) is the number of ranks that split each layer, a positive integer; "
                               f"got {self.tp!r}")
-        later = [k for k, given, default in (("pp", self.pp, None), ("cp", self.cp, 1), ("replicate", self.replicate, 1),
+        later = [k for k, given, default in (("cp", self.cp, 1), ("replicate", self.replicate, 1),
                                              ("sequence_parallel", self.sequence_parallel, False))
                  if given is not default and given != default]
         if later:
@@ -75,10 +77,14 @@ class Mesh(Strategy):
                               "tp with dp='ddp', 'zero1', 'zero2' or 'zero3'")
         if self.tp_plan is not None:
             object.__setattr__(self, "tp_plan", dict(self.tp_plan))
-        self.data_parallel()  # refuse an unknown name now, not at setup
+        inner = self.data_parallel()  # refuse an unknown name now, not at setup
+        if self.pp is not None and (not isinstance(self.pp, Pipeline) or inner.name != "ddp"):
+            raise ConfigError(f"Mesh(pp=...) takes a pt.Pipeline(stages=..., microbatches=...), whose replicas "
+                              f"average their gradients as ddp does: leave dp='ddp'; got pp={self.pp!r}, "
+                              f"dp={self.dp!r}")
 
     def __hash__(self) -> int:
-        return hash((self.tp, str(self.dp), tuple(sorted((self.tp_plan or {}).items()))))
+        return hash((self.tp, str(self.dp), self.pp, tuple(sorted((self.tp_plan or {}).items()))))
 
     def data_parallel(self) -> Strategy:
         """The data-parallel strategy object `dp` names."""
@@ -89,14 +95,16 @@ class Mesh(Strategy):
         return inner
 
     def grid(self, topology: Topology) -> ProcessGrid:
-        return ProcessGrid(topology, tp=self.tp)
+        return ProcessGrid(topology, pp=self.pp.stages if self.pp is not None else 1, tp=self.tp)
 
     def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
         plan = plan_for(model, self.tp_plan, self.tp)
         if optimizer is not None:
             check_optimizer_owns(optimizer, model.parameters())
         tp_group, _ = grid.group("tp")
-        holders, _ = grid.group("dp", "tp")  # every rank of a model copy: made now, on every rank
+        # the ranks that hold the rest of what this one holds: a pipeline's other stages, ZeRO's
+        # other shards, and the tp slices (made now, on every rank)
+        holders, _ = grid.group("pp" if self.pp is not None else "dp", "tp")
         device = grid.topology.device
         modules = dict(model.named_modules())
         if has_meta(model):  # the planned layers whole by the rule, to be sliced
@@ -109,8 +117,8 @@ class Mesh(Strategy):
             model.get_submodule(name).to(device)
         if optimizer is not None:
             optimizer = _rebuilt(optimizer, cut)
-        inner_strategy = self.data_parallel()
-        if grid.dp == 1 and inner_strategy.name == "ddp":  # nothing to average: no DDP hooks
+        inner_strategy = self.pp if self.pp is not None else self.data_parallel()
+        if self.pp is None and grid.dp == 1 and inner_strategy.name == "ddp":  # nothing to average: no DDP hooks
             inner, optimizer = SingleDevice(whole(model, init).to(device)), optimizer
         else:
             inner, optimizer = inner_strategy.setup(model, optimizer, grid, init=init)
@@ -188,8 +196,9 @@ class TensorParallelModel(ParallelModule):
     def _counted(self) -> list[torch.Tensor]:
         layout = self.inner.checkpoint_layout()
         mine = lambda name: name in self.shard_dims or self.tp_rank == 0  # noqa: E731
+        tied = self.inner.tied.not_counted() if isinstance(self.inner, PipelineStage) else set()  # counted on one stage
         if not layout.flat:
-            return [p.grad for n, p in layout.params.items() if p.grad is not None and mine(n)]
+            return [p.grad for n, p in layout.params.items() if p.grad is not None and mine(n) and id(p) not in tied]
         counted = []
         for shard, flat in layout.flat.items():
             if shard.grad is not None:

@@ -125,7 +125,8 @@ CASES = {  # world → (strategy, training settings) run in one job each
         (pt.Mesh(tp=2, tp_plan={**PLAN, "embed": "rowwise", "lm_head": "colwise_rep"}), dict(tied=True)),
         (pt.Mesh(tp=2), dict(meta=True)), (pt.Mesh(tp=2), dict(hf=True)), (None, {})],
     4: [(pt.Mesh(tp=2, dp="ddp"), {}), (pt.Mesh(tp=2, dp="zero1"), {}), (pt.Mesh(tp=2, dp="zero2"), dict(clip=0.5)),
-        (pt.Mesh(tp=2, dp="zero3"), dict(clip=0.5)), (pt.Mesh(tp=4), dict(heads=4, kv_heads=4))],
+        (pt.Mesh(tp=2, dp="zero3"), dict(clip=0.5)), (pt.Mesh(tp=4), dict(heads=4, kv_heads=4)),
+        (pt.Mesh(tp=2, pp=pt.Pipeline(stages=2, microbatches=2, layers="layers")), dict(tied=True, clip=0.5))],
 }
 
 
@@ -142,14 +143,16 @@ def test_tensor_parallel_training_matches_one_process(runs, world, index):
     assert_close(results[0]["whole"], reference(**kwargs))
     # the cut layers hold 1/tp of the whole; the replicated parameters stay equal on every rank
     whole = results[0]["whole"]
-    tp = strategy.tp
+    tp, stages = strategy.tp, strategy.pp.stages if strategy.pp is not None else 1
+    first = {}  # each replicated parameter as the first rank holding it has it (a stage holds its own)
     for r in results:
         for name, shape in r["held"].items():
             if name not in r["replicated"]:
                 assert math.prod(shape) * tp == whole[name].numel(), name
         for name, value in r["replicated"].items():
-            assert torch.equal(value, results[0]["replicated"][name]), name
-    assert sorted(r["replica"] for r in results) == sorted(i // tp for i in range(world))
+            assert torch.equal(value, first.setdefault(name, value)), name
+    replicas = world // (tp * stages)
+    assert sorted(r["replica"] for r in results) == sorted(i % replicas for i in range(world))
 
 
 def test_torch_dtensor_tensor_parallelism_reaches_the_same_parameters(runs):
