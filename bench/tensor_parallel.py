@@ -33,7 +33,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # common.py and tests.support, for the ranks too
@@ -41,11 +40,11 @@ import paratrain as pt  # noqa: E402
 from common import (SEQ, bench_parser, distinct_storage_bytes, load_at_start, parse_bench_args,  # noqa: E402
                     print_table, summarize_times, time_interleaved, write_results)
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
+from tests.support.collectives import counting_collectives  # noqa: E402
 from tests.support.llama import PLAN, Llama, lm_loss  # noqa: E402
 
 WORLD, TP, THREADS, LR, DATA_BATCHES = 2, 2, 1, 1e-4, 4
 LAYERS, WIDTH, HEADS, KV_HEADS, HIDDEN, VOCAB = 4, 512, 8, 4, 1376, 8192
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 
 
 def _model() -> torch.nn.Module:
@@ -84,21 +83,8 @@ def _step(model, opt, x, y) -> torch.Tensor:
 
 def _our_collectives(model, opt, x, y) -> list[tuple[str, int]]:
     """(function, elements) of each collective one training step of ours issues."""
-    calls, originals = [], {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def counting(name):
-        def call(tensor, *args, **kwargs):
-            calls.append((name, (tensor if torch.is_tensor(tensor) else args[0]).numel()))
-            return originals[name](tensor, *args, **kwargs)
-        return call
-
-    for name in COLLECTIVES:
-        setattr(dist, name, counting(name))
-    try:
+    with counting_collectives() as calls:
         _step(model, opt, x, y)
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     return calls
 
 

@@ -53,7 +53,8 @@ class Session(JobFacts, SessionCheckpoints):
 
     strategy: a name ("single", "dp", "ddp", "hierarchical", "zero1", "zero2", "zero3",
         "model-parallel", "pipeline") or an object such as
-        `paratrain.DDP(...)` or `paratrain.ZeRO(stage=3, wrap_policy=...)`.
+        `paratrain.DDP(...)`, `paratrain.ZeRO(stage=3, wrap_policy=...)` or, for tensor
+        parallelism, `paratrain.Mesh(tp=2, dp="zero3")`.
     accumulate: micro-batches per optimizer step; gradients are averaged over them and
         communication happens only on the last one.
     max_grad_norm: clip the global gradient norm to this before each optimizer step.

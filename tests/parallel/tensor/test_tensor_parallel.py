@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain as pt
 from paratrain.distributed.topology import free_port
 from paratrain.testing import run_on_ranks
+from tests.support.collectives import counting_collectives
 from tests.support.llama import PLAN, llama, lm_loss, token_batches
 
 STEPS, GLOBAL_BATCH = 3, 4
@@ -164,31 +165,14 @@ def test_torch_dtensor_tensor_parallelism_reaches_the_same_parameters(runs):
     assert_close(theirs, reference())
 
 
-def count_collectives(topo, layers, sequence_parallel=False):
+def count_collectives(topo, layers):
     """The collectives one forward and backward of the cut model issues: (name, elements) each."""
-    import torch.distributed as dist
-
     with pt.Session(strategy=pt.Mesh(tp=2), topology=topo, progress_bar=False) as session:
         model = llama(layers=layers)
         model, _ = session.setup(model, optimizer(model.parameters(), "sgd"))
         x, y = token_batches(1, GLOBAL_BATCH)[0]
-        calls = []
-        originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "reduce_scatter_tensor",
-                                                             "all_gather_into_tensor", "broadcast")}
-
-        def counting(name):
-            def call(tensor, *args, **kwargs):
-                calls.append((name, (tensor if torch.is_tensor(tensor) else args[0]).numel()))
-                return originals[name](tensor, *args, **kwargs)
-            return call
-
-        for name in originals:
-            setattr(dist, name, counting(name))
-        try:
+        with counting_collectives() as calls:
             model.forward_backward(x, y, lm_loss, 1.0)
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
     return calls
 
 
