@@ -11,7 +11,8 @@ setup, on every rank (collective):
        hold there; any other model is first made equal across the tp group (rank 0's values);
     3. the planned layers are cut (parallelize.py), the optimizer rebuilt for the slices;
     4. the data-parallel strategy wraps the cut model over the "dp" group of the grid: the ranks
-       with the same tp rank (distributed/grid.py), which hold the same slices.
+       with the same tp rank (distributed/grid.py), which hold the same slices; or, with `pp`,
+       the pipeline cuts it into stages, its p2p between ranks of the same tp rank.
 
 So the ranks of one tp group read the same batches (they are one data-parallel replica), and the
 gradients of the cut layers are averaged over dp only: their slices differ across tp. A replicated
@@ -74,7 +75,7 @@ class Mesh(Strategy):
                  if given is not default and given != default]
         if later:
             raise ConfigError(f"Mesh does not compose {later} with tensor parallelism yet; it composes "
-                              "tp with dp='ddp', 'zero1', 'zero2' or 'zero3'")
+                              "tp with dp='ddp', 'zero1', 'zero2' or 'zero3', or with pp=pt.Pipeline(...)")
         if self.tp_plan is not None:
             object.__setattr__(self, "tp_plan", dict(self.tp_plan))
         inner = self.data_parallel()  # refuse an unknown name now, not at setup
