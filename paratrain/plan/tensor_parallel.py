@@ -24,6 +24,7 @@ embedding and head replicated. What the plan cannot say, the planner takes from 
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from torch import nn
@@ -60,10 +61,23 @@ def cut_modules(model: nn.Module, strategy: Mesh) -> dict[str, str]:
     return {name: COLWISE for name in names}
 
 
+_CUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → {(tp, plan): its cut copy}
+
+
 def cut_copy(model: nn.Module, strategy: Mesh) -> nn.Module:
     """A copy of `model` (on the meta device) holding what one tp rank holds: each cut
     parameter 1/tp along the dimension its layer splits (layers.py's shard_dim; Megatron's cut
-    where the model has no plan: along the first), a parameter tied between cut modules cut once."""
+    where the model has no plan: along the first), a parameter tied between cut modules cut once.
+    Made once per model, width and plan: a plan's rows (every dp strategy, memory and time) only
+    read it, as they read ModelSource.shared."""
+    key = (strategy.tp, tuple(sorted((strategy.tp_plan or {}).items())))
+    cuts = _CUTS.setdefault(model, {})
+    if key not in cuts:
+        cuts[key] = _cut(model, strategy)
+    return cuts[key]
+
+
+def _cut(model: nn.Module, strategy: Mesh) -> nn.Module:
     cut = copy.deepcopy(model)
     shrunk: dict[int, nn.Parameter] = {}
     for name, style in cut_modules(cut, strategy).items():
