@@ -59,10 +59,9 @@ def parallelize(model: nn.Module, plan: Plan, group, tp_rank: int, tp: int) -> C
             else:
                 dims[id(before)] = dim
                 replaced[before] = after
-        for pname in ("bias",):  # a whole bias is still a new tensor: the optimizer steps it
-            before, after = getattr(old, pname, None), getattr(new, pname, None)
-            if before is not None and pname not in new.shard_dim:
-                replaced[before] = after
+        bias = getattr(old, "bias", None)
+        if bias is not None and "bias" not in new.shard_dim:  # whole, but a new tensor: the optimizer steps it
+            replaced[bias] = new.bias
         parent, _, leaf = name.rpartition(".")
         setattr(_module(model, parent) if parent else model, leaf, new)
     held = {id(p) for p in model.parameters()}

@@ -89,7 +89,7 @@ def plan_for(model: nn.Module, given: Mapping[str, str] | None, tp: int) -> Plan
                 used.add(pattern)
     missing = [p for p in entries if p not in used]
     if (strict and missing) or not styles:
-        raise ConfigError(f"{source} names no module for {missing}: patterns are module names from "
+        raise ConfigError(f"{source} names no module for {missing or list(entries)}: patterns are module names from "
                           f"model.named_modules(), `*` standing for one part (e.g. 'layers.*.attn.q'); "
                           f"this model's first modules are {[n for n, _ in model.named_modules()][1:6]}")
     modules = dict(model.named_modules())
