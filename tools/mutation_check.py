@@ -366,6 +366,13 @@ MUTANTS = [
     Mutant("tp-dp-over-world", "data parallelism under a mesh averages over the world, tp ranks included",
            (("        return None if len(ranks) == self.topology.world_size else group", "        return None"),),
            ("tests/parallel/tensor/test_tensor_parallel.py",)),
+    Mutant("zero3-buffers-drift", "ZeRO-3 never broadcasts rank 0's buffers before a forward",
+           (("        if self.require_forward_param_sync:\n            self.sync_buffers()\n", ""),),
+           ("tests/session/test_buffers.py",)),
+    Mutant("state-dict-buffers-unsynced", "full_state_dict reports each rank's own buffers",
+           (("        self.sync_buffers()\n        return {k: v for piece in self.state_pieces()",
+             "        return {k: v for piece in self.state_pieces()"),),
+           ("tests/session/test_buffers.py",)),
 ]
 
 

@@ -16,6 +16,8 @@ never ask which strategy built it, nor probe it for attributes:
     check_loader(loader)                refuse at setup a sharded loader it cannot take
     checkpoint_layout()                 what this rank holds, in the checkpoint's terms
     full_state_dict()                   the whole model's state dict, keys the user's (collective)
+    sync_buffers()                      replicas take replica 0's buffers now, as the next forward
+                                        would (collective): what full_state_dict reports first
     state_pieces()                      the same, a piece at a time: a ZeRO-3 unit, a pipeline stage
                                         (collective; how session.export streams the model to rank 0)
     supports_token_weights              whether train_step(weight=...) works
@@ -173,7 +175,14 @@ class ParallelModule(nn.Module):
     def checkpoint_layout(self) -> CheckpointLayout:
         return CheckpointLayout.whole(self.module)
 
+    def sync_buffers(self) -> None:
+        """Every data-parallel replica takes replica 0's buffers (BatchNorm statistics), the
+        broadcast torch's DDP runs before each forward, run now: so the state dict every rank
+        reports is one model's, and the next forward starts where it would have anyway. A
+        collective over the replicas; nothing where every rank computes the same buffers."""
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        self.sync_buffers()
         return {k: v for piece in self.state_pieces() for k, v in piece.items()}
 
     def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -230,7 +239,10 @@ def owned(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> torch.op
 def state_pieces(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """The whole model's state dict in pieces whose union is `full_state_dict(model)`, each on
     every rank of the group that gathers it (a collective, piece by piece)."""
-    return model.state_pieces() if isinstance(model, ParallelModule) else iter([model.state_dict()])
+    if not isinstance(model, ParallelModule):
+        return iter([model.state_dict()])
+    model.sync_buffers()
+    return model.state_pieces()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

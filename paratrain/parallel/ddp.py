@@ -143,6 +143,10 @@ class DistributedDataParallel(ParallelModule, Joinable):
         """Overwrite every rank's buffers with those of rank `src` of the group."""
         broadcast_coalesced(self.modules_buffers, self.process_group, src)
 
+    def sync_buffers(self) -> None:
+        if self.broadcast_buffers and self.modules_buffers:
+            self.sync_module_buffers()
+
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """torch's: from the next backward on, each gradient bucket is reduced by `hook(state,
         bucket)`, which returns a torch.futures.Future holding the reduced bucket (torch's hooks

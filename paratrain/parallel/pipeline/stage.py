@@ -200,7 +200,11 @@ class PipelineStage(ParallelModule):
     def _sync_buffers(self) -> None:
         """Replicas of a stage take replica 0's buffers (BatchNorm statistics) before a forward,
         as torch's DDP does with rank 0's: once per optimizer step, and before inference."""
-        if self._buffers_stale and self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+        if self._buffers_stale:
+            self.sync_buffers()
+
+    def sync_buffers(self) -> None:
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             comm.broadcast_coalesced(list(self.module.buffers()), self.dp_group)
 
     def _replica_sync(self) -> GradSync:

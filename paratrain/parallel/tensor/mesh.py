@@ -211,6 +211,9 @@ class TensorParallelModel(ParallelModule):
         raise UsageError("checkpoints of a tensor-parallel model are not supported yet: save "
                          "session.full_state_dict() (whole tensors under the model's keys) on rank 0 instead")
 
+    def sync_buffers(self) -> None:
+        self.inner.sync_buffers()  # the tp ranks of a replica compute the same buffers
+
     def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
         """The inner wrapper's pieces, each cut tensor gathered whole over tp (collective)."""
         for piece in self.inner.state_pieces():

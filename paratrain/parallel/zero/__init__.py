@@ -73,7 +73,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
         wrapped = FullyShardedDataParallel(model, group_of=param_groups_of(model, optimizer),
                                            process_group=process_group, wrap_policy=wrap_policy,
                                            prefetch=prefetch, param_dtype=param_dtype, offload=offload,
-                                           collectives=collectives, init=init, device=device)
+                                           collectives=collectives, init=init, device=device,
+                                           broadcast_buffers=broadcast_buffers)
         return wrapped, rebuild_optimizer(optimizer, [
             [s for s, g in zip(wrapped.shards, wrapped.shard_groups) if g == index]
             for index in range(len(optimizer.param_groups))])

@@ -55,7 +55,7 @@ class FullyShardedDataParallel(ParallelModule):
                  process_group=None, wrap_policy: WrapPolicy | None = None, prefetch: bool = True,
                  param_dtype: torch.dtype | None = None, offload: bool = False,
                  collectives: OwnerCollectives | None = None, init: MetaInit | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, broadcast_buffers: bool = True):
         super().__init__()
         if not dist.is_initialized():
             raise UsageError("ZeRO stage 3 needs the default process group: call "
@@ -88,6 +88,10 @@ class FullyShardedDataParallel(ParallelModule):
         self._reducing: list[FlatShard] = []  # the gradient reduction in flight
         self._forward_order: list[Unit] = []
         self._sums = None  # the finite check's ReducedSums, once watched (watch_reductions)
+        # buffers follow torch DDP's rule: rank 0's are broadcast before a forward that follows a
+        # synchronised one (BatchNorm statistics would otherwise drift apart across ranks)
+        self.broadcast_buffers, self.require_forward_param_sync = broadcast_buffers, True
+        self.modules_buffers = list(module.buffers())
         for unit in self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
@@ -108,6 +112,10 @@ class FullyShardedDataParallel(ParallelModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self._forget_unfinished_backward()
+        if self.require_forward_param_sync:
+            self.sync_buffers()
+        if torch.is_grad_enabled():  # the forward after a no_sync() one skips it, as DDP's
+            self.require_forward_param_sync = self.require_backward_grad_sync
         self.state = TrainingState.FORWARD
         self._sync_this_backward = self.require_backward_grad_sync
         if self.param_dtype is not None:  # inputs in the dtype the gathered parameters have
@@ -253,6 +261,10 @@ class FullyShardedDataParallel(ParallelModule):
         """Clip by the norm of the whole (averaged) gradient, computed from the shards."""
         grads, group = self.local_grads()
         return clip_grad_norm_over(grads, max_norm, group)
+
+    def sync_buffers(self) -> None:
+        if self.broadcast_buffers and self.modules_buffers and self.world > 1:
+            broadcast_coalesced(self.modules_buffers, self.process_group)
 
     def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
         """Unit by unit (every rank gathers the unit, then drops it), then the buffers and frozen
