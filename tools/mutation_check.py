@@ -373,6 +373,9 @@ MUTANTS = [
            (("        self.sync_buffers()\n        return {k: v for piece in self.state_pieces()",
              "        return {k: v for piece in self.state_pieces()"),),
            ("tests/session/test_buffers.py",)),
+    Mutant("meta-unset-floats-only", "the materialise check refuses only unset floating-point tensors",
+           (("    return t.is_floating_point() or t.is_complex()", "    return t.is_floating_point()"),),
+           ("tests/components/test_materialize.py",)),
 ]
 
 

@@ -73,20 +73,24 @@ class Materializer:
         todo = [t for t in (tensors if tensors is not None else self._all()) if t.is_meta]
         for t in todo:
             _swap(t, "cpu")
-            if t.is_floating_point():
+            if _holds_nan(t):
                 t.detach().fill_(float("nan"))  # unset: whatever is still NaN after the owners ran
+        untouched = {id(t): (t._version, t.data_ptr()) for t in todo}  # integers: never written is unset
         mine = {id(t) for t in todo}
         owners = {self._owner[i][0]: self._owner[i][1:] for i in mine}  # whole-model order → (path, owner)
         for order in sorted(owners):
             self._initialise(*owners[order], mine)
-        self._check_set(todo)
+        self._check_set(todo, untouched)
         if device is not None and torch.device(device).type != "cpu":
             for t in todo:
                 _swap(t, device)
 
-    def _check_set(self, tensors: list[torch.Tensor]) -> None:
-        """Refuse floating-point tensors that no owner's call set (still NaN somewhere), by name."""
-        unset = [t for t in tensors if t.is_floating_point() and bool(torch.isnan(t.detach()).any())]
+    def _check_set(self, tensors: list[torch.Tensor], untouched: dict[int, tuple[int, int]]) -> None:
+        """Refuse, by name, tensors that no owner's call set: a floating-point or complex one
+        still NaN somewhere, an integer or boolean one never written (torchtitan's RoPE table
+        `freqs_cis` is a complex buffer)."""
+        unset = [t for t in tensors if (bool(torch.isnan(t.detach()).any()) if _holds_nan(t)
+                                        else (t._version, t.data_ptr()) == untouched[id(t)])]
         if unset:
             names = {id(t): f"{path + '.' if path else ''}{name}" for path, module in self.model.named_modules()
                      for name, t in itertools.chain(module._parameters.items(), module._buffers.items())
@@ -159,3 +163,7 @@ def materialize(model: nn.Module, *, seed: int = 0, init_fn: Callable[[nn.Module
     """`model`, built on the meta device, materialised whole on the CPU by the rule: the reference
     a sharded run of the same model with the same seed and init_fn equals."""
     return whole(model, MetaInit(seed, init_fn))
+
+
+def _holds_nan(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()

@@ -104,6 +104,34 @@ def test_a_tensor_that_no_owner_sets_is_named_not_left_as_garbage():
     assert torch.equal(model.causal, torch.tril(torch.ones(4, 4))) and torch.equal(model.gain, torch.ones(4))
 
 
+class Rotary(nn.Module):
+    """torchtitan's pattern: RoPE's table as a complex buffer (`freqs_cis`), and a step counter."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("table", torch.zeros(8, 2, dtype=dtype))
+
+    def fill(self):
+        angles = torch.outer(torch.arange(8.0), torch.tensor([1.0, 0.1]))
+        value = torch.polar(torch.ones_like(angles), angles) if self.table.is_complex() else torch.ones(8, 2)
+        self.table.copy_(value.to(self.table.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.int64, torch.bool])
+def test_a_tensor_of_any_dtype_that_no_owner_sets_is_named(dtype):
+    with torch.device("meta"):
+        model = Rotary(dtype)
+    with pytest.raises(pt.ConfigError, match=r"^table of the meta-built model was not set"):
+        pt.materialize(model, init_fn=lambda m: None)  # an init_fn that forgets the table
+    with torch.device("meta"):
+        model = Rotary(dtype)
+    pt.materialize(model, init_fn=lambda m: m.fill() if isinstance(m, Rotary) else None)
+    expected = Rotary(dtype)
+    expected.fill()
+    assert torch.equal(model.table, expected.table)
+
+
 def reference():
     return train_one_process(pt.materialize(meta_gpt(), seed=0, init_fn=init_positions), STEPS)
 
