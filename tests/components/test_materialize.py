@@ -124,6 +124,11 @@ def test_a_tensor_of_any_dtype_that_no_owner_sets_is_named(dtype):
         model = Rotary(dtype)
     with pytest.raises(pt.ConfigError, match=r"^table of the meta-built model was not set"):
         pt.materialize(model, init_fn=lambda m: None)  # an init_fn that forgets the table
+    if dtype.is_complex:  # a part left unset is found too
+        with torch.device("meta"):
+            model = Rotary(dtype)
+        with pytest.raises(pt.ConfigError, match=r"^table of the meta-built model was not set \(wholly or in part"):
+            pt.materialize(model, init_fn=lambda m: m.table[:4].fill_(1) if isinstance(m, Rotary) else None)
     with torch.device("meta"):
         model = Rotary(dtype)
     pt.materialize(model, init_fn=lambda m: m.fill() if isinstance(m, Rotary) else None)
