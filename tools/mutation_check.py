@@ -376,6 +376,9 @@ MUTANTS = [
     Mutant("meta-unset-floats-only", "the materialise check refuses only unset floating-point tensors",
            (("    return t.is_floating_point() or t.is_complex()", "    return t.is_floating_point()"),),
            ("tests/components/test_materialize.py",)),
+    Mutant("verify-loss-unweighted", "verify averages token-weighted losses without their weights",
+           (('    if all(r.get("weight") is not None for r in records):', "    if False:"),),
+           ("tests/debug/test_verify.py",)),
 ]
 
 

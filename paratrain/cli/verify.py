@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain.debug.verify import DIR, INJECT, PROJECTIONS, STEPS, STRATEGY, TOLERANCES
+from paratrain.debug.verify import DIR, INJECT, PROJECTIONS, STEPS, STRATEGY, TOLERANCES, combined_loss
 from paratrain.errors import ConfigError
 
 
@@ -45,8 +45,8 @@ def compare(reference: dict[int, dict], candidate: dict[int, dict], rtol: float,
     steps = min(len(ref["steps"]), *(len(c["steps"]) for c in candidate.values()))
     worst = {"loss": 0.0, "gradient": 0.0, "value": 0.0}
     for step in range(steps):
-        mine = sum(c["steps"][step]["loss"] for c in candidate.values()) / len(candidate)
-        theirs = ref["steps"][step]["loss"]
+        mine = combined_loss([c["steps"][step] for c in candidate.values()])
+        theirs = combined_loss([ref["steps"][step]])
         error = abs(mine - theirs) / max(abs(theirs), 1e-30)
         worst["loss"] = max(worst["loss"], error)
         if abs(mine - theirs) > atol + rtol * abs(theirs):

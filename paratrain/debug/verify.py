@@ -6,7 +6,9 @@ The script runs unchanged, twice, through `paratrain run`: once as one process u
 "single" (the reference), once as N processes under `--strategy` or the script's own. The
 `PARATRAIN_VERIFY*` variables tell each rank's Session to record, at every optimizer step:
 
-    loss     the mean of the step's micro-batch losses (over the ranks: the mean of theirs)
+    loss     the mean of the step's micro-batch losses (over the ranks: the mean of theirs); with
+             token weights (`weight=`), the mean weighted by them, and their sum (`weight`), so
+             the ranks' losses combine into the mean over every token, as one process's is
     grads    every gradient this rank holds, as the optimizer is about to read it: after the
              reduction over the ranks, token normalisation, fp16 unscaling and clipping
     params   every parameter this rank holds, after the step
@@ -67,7 +69,7 @@ class StepRecorder:
         self.directory, self.steps, self.rank = Path(directory), steps, rank
         self.inject = inject.split(":") if inject else None
         self.records: list[dict] = []
-        self._losses: list[float] = []
+        self._losses: list[tuple[float, float | None]] = []  # (loss, its token weight or None)
         self._grads: dict = {}
 
     @classmethod
@@ -88,8 +90,8 @@ class StepRecorder:
             if isinstance(module, nn.modules.dropout._DropoutNd):
                 module.p = 0.0
 
-    def loss(self, loss: torch.Tensor) -> None:
-        self._losses.append(float(loss.float().mean()))
+    def loss(self, loss: torch.Tensor, weight: float | torch.Tensor | None = None) -> None:
+        self._losses.append((float(loss.float().mean()), None if weight is None else float(weight)))
 
     @torch.no_grad()
     def before_step(self, model: nn.Module) -> None:
@@ -101,8 +103,7 @@ class StepRecorder:
     @torch.no_grad()
     def after_step(self, model: nn.Module, precision: str) -> bool:
         """Record the step; True once the last one is written (the run should stop)."""
-        self.records.append(dict(loss=sum(self._losses) / max(len(self._losses), 1), grads=self._grads,
-                                 params=_pieces(model, grads=False)))
+        self.records.append(dict(**_step_loss(self._losses), grads=self._grads, params=_pieces(model, grads=False)))
         self._losses, self._grads = [], {}
         if len(self.records) < self.steps:
             return False
@@ -111,6 +112,25 @@ class StepRecorder:
         torch.save(dict(rank=self.rank, precision=precision, order=order, steps=self.records),
                    self.directory / f"rank{self.rank}.pt")
         return True
+
+
+def _step_loss(losses: list[tuple[float, float | None]]) -> dict:
+    """The step's loss: the plain mean of its micro-batches', or with token weights the mean
+    weighted by them and their sum (`weight`; train_step refuses a step that mixes the two)."""
+    weights = [w for _, w in losses if w is not None]
+    if not weights or len(weights) < len(losses):
+        return dict(loss=sum(value for value, _ in losses) / max(len(losses), 1), weight=None)
+    total = sum(weights)
+    return dict(loss=sum(value * w for value, w in losses) / total if total else 0.0, weight=total)
+
+
+def combined_loss(records: list[dict]) -> float:
+    """One optimizer step's loss over ranks (or one rank's record): the mean over every token
+    when each weighed its losses, else the mean of the ranks' losses."""
+    if all(r.get("weight") is not None for r in records):
+        total = sum(r["weight"] for r in records)
+        return sum(r["loss"] * r["weight"] for r in records) / total if total else 0.0
+    return sum(r["loss"] for r in records) / len(records)
 
 
 def _holdings(model: nn.Module, grads: bool) -> dict[str, list[tuple[int, torch.Tensor]]]:

@@ -176,7 +176,7 @@ class Session(JobFacts, SessionCheckpoints):
             loss = model.forward_backward(inputs, targets, loss_fn or model.default_loss, self._loss_factor(weight))
         self._check_finite(loss)  # a NaN loss (a pipeline's: the mean of its micro-batches') is named at the step
         if self._verify is not None:
-            self._verify.loss(loss)
+            self._verify.loss(loss, weight)
         self.last_loss = loss
         self.step()
         return loss
@@ -225,7 +225,7 @@ class Session(JobFacts, SessionCheckpoints):
         self._check_finite(check_loss(loss))
         self.last_loss = loss.detach()  # the progress bar's and the automatic rows' loss
         if self._verify is not None:
-            self._verify.loss(self.last_loss)
+            self._verify.loss(self.last_loss, weight)
         backward_no_autocast(scaled(loss, self._loss_factor(weight)))
 
     def _loss_factor(self, weight: float | torch.Tensor | None) -> float:

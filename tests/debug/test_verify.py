@@ -79,3 +79,35 @@ def test_a_summary_of_pieces_adds_up_to_the_whole_and_catches_a_change():
     held[1] = [(cut, n - cut, summary("w", cut, y[cut:]))]
     error, bad, _ = _check_summaries(whole, held, n, 1e-4, 1e-7)
     assert bad == [0, 1] and error > 1e-4  # a sharded parameter is compared whole: its holders named
+
+
+MASKED_SCRIPT = '''
+import torch, torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import paratrain as pt
+
+torch.manual_seed(0)
+ids = torch.randint(0, 11, (16, 6))
+labels = torch.randint(0, 11, (16, 6))
+for row in range(16):  # the first rows keep every label, the last keep one
+    labels[row, 6 - (row // 3) % 6:] = -100 if row >= 8 else labels[row, 6 - (row // 3) % 6:]
+model = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 11))
+session = pt.Session("ddp")
+model, optimizer, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                         DataLoader(TensorDataset(ids, labels), batch_size=8))
+for _ in range(3):
+    for x, y in loader:
+        session.train_step((x, y), lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                           weight="tokens")
+'''
+
+
+def test_token_weighted_losses_are_compared_over_every_token(tmp_path):
+    """Rank 1's half of each batch holds fewer label tokens than rank 0's: one process's loss is
+    the mean over all of them, and so must the ranks' be, weighted by their tokens."""
+    script = tmp_path / "masked.py"
+    script.write_text(MASKED_SCRIPT)
+    done, _ = verify("-n", "2", "--steps", "3", str(script), "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "2 processes (the script's) against 1 (single), 3 optimizer step(s): they agree." in done.stdout
