@@ -153,7 +153,7 @@ def summarize(ends: dict[int, RankEnd], first_rank: int) -> tuple[list[str], int
         named, lines = waited[0], [_failed(waited[0]), _waiting_everywhere(stopped)]
     pool = own + waited + [e for e in finished if e not in own]
     if others := [e for e in pool if e is not named and e not in left]:
-        lines.append("also failed: " + ", ".join(f"rank {e.rank} ({_exit(e.exitcode)})" for e in others))
+        lines.append("also failed: " + ", ".join(_also(e, named) for e in others))
     if stopped:
         lines.append("then stopped by the launcher: " + ", ".join(f"rank {e.rank}" for e in stopped))
     # killed while leaving with an exception: the status its exception would have given
@@ -170,6 +170,18 @@ def _failed(end: RankEnd) -> str:
     pid = f", pid {end.pid}" if end.pid else ""
     error = f": {end.note['error']}" if end.note.get("error") else ""
     return f"rank {end.rank} {what} ({_exit(end.exitcode)}{pid}){error}; see its output above"
+
+
+def _also(end: RankEnd, named: RankEnd) -> str:
+    """Another rank that failed, by its own exception where it raised one: a rank that raised
+    and was then killed as it exited (the launcher's SIGTERM reaching its teardown; seen as
+    SIGSEGV) failed by its exception, not by the signal."""
+    error = end.note.get("error") if end.kind == "exception" else None
+    if not error:
+        return f"rank {end.rank} ({_exit(end.exitcode)})"
+    what = f"the same {error.split(':', 1)[0]}" if error == named.note.get("error") else error
+    how = f"then {_exit(end.exitcode)} as it exited" if end.exitcode < 0 else _exit(end.exitcode)
+    return f"rank {end.rank} with {what} ({how})"
 
 
 def _left_early(ends: dict[int, RankEnd], waited: list[RankEnd]) -> list[RankEnd]:

@@ -172,6 +172,19 @@ def test_a_rank_own_exception_is_blamed_before_a_clean_exit():
     assert status == 1
 
 
+def test_every_rank_that_raised_is_named_by_its_exception_not_by_the_signal_that_ended_it():
+    """Both ranks raised the same ConfigError in setup; rank 1 was then killed as it exited (the
+    launcher's SIGTERM reaching its teardown, seen as SIGSEGV): it failed by its exception."""
+    error = "ConfigError: zero3 shards the optimizer: pass it to setup(model, optimizer, …)"
+    ends = {0: _end(0, 1, "exception", t=1.0, error=error), 1: _end(1, -signal.SIGSEGV, "exception", t=1.0, error=error)}
+    lines, status = postmortem.summarize(ends, first_rank=0)
+    assert lines == [f"rank 0 failed (exit code 1, pid 100): {error}; see its output above",
+                     "also failed: rank 1 with the same ConfigError (then killed by SIGSEGV as it exited)"]
+    assert status == 1
+    ends[1] = _end(1, 1, "exception", t=1.0, error="ValueError: y")
+    assert postmortem.summarize(ends, first_rank=0)[0][1] == "also failed: rank 1 with ValueError: y (exit code 1)"
+
+
 def test_ranks_waiting_in_collectives_everywhere_are_not_called_stragglers():
     """Rank 1 was stopped inside another collective: the ranks disagree, or the culprit is on
     another node; neither rank is named as the one that never came."""
