@@ -9,6 +9,9 @@
 Public names only. Importing paratrain changes nothing in torch: the flight recorder's hooks and
 the worker are installed where a job starts (a `Session`, each rank `paratrain run` starts,
 `pt.install_flight_recorder()` for a loop that uses the wrappers alone).
+
+`pt.testing` (run a function on N real ranks, compare what they trained) loads with the package,
+for parity checks of one's own.
 """
 
 from paratrain.checkpoint.weights import load_weights
@@ -36,6 +39,7 @@ from paratrain.parallel.zero import WrapPolicy, ZeRO, shard
 from paratrain.session.autolog import Logging
 from paratrain.session.session import Session
 from paratrain.session.watch import StepWarning, StepWarnings
+from paratrain import testing
 
 __version__ = "0.1.0"
 
@@ -51,5 +55,5 @@ __all__ = [
     "GradScaler", "MetricsLogger", "Logging", "StepWarning", "StepWarnings", "checkpoint_activations",
     "materialize", "load_weights", "install_flight_recorder",
     "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
-    "Mesh",
+    "Mesh", "testing",
 ]
