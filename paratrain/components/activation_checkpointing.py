@@ -15,10 +15,10 @@ which is why it works under every strategy. Each chosen module's forward runs in
   that backward, with the unit gathered.
 
 Which modules (`which`): a module class or a tuple of them; a predicate `fn(name, module) ->
-bool`; or "auto": the members of every nn.ModuleList whose members are all of one class (the
-blocks of a GPT, of transformers' models, of nn.TransformerEncoder). Never an nn.ModuleList or
-ModuleDict itself, which nobody calls; and a module inside one already chosen is left alone, its
-activations not being kept anyway. Under torch.no_grad() (evaluation) the forward runs as it is,
+bool`; or "auto": the members of every nn.ModuleList or nn.ModuleDict whose members are all of
+one class (the blocks of a GPT, of transformers' models, of nn.TransformerEncoder, torchtitan's
+`layers` ModuleDict). Never an nn.ModuleList or ModuleDict itself, which nobody calls; and a
+module inside one already chosen is left alone, its activations not being kept anyway. Under torch.no_grad() (evaluation) the forward runs as it is,
 there being nothing to save.
 """
 
@@ -65,8 +65,8 @@ def select(model: nn.Module, which: Which) -> list[tuple[str, nn.Module]]:
 
 def _test(model: nn.Module, which: Which) -> Callable[[str, nn.Module], bool]:
     if which == "auto":
-        blocks = {id(b) for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1
-                  and len({type(b) for b in m}) == 1 for b in m}
+        blocks = {id(b) for m in model.modules() if isinstance(m, NEVER_CALLED) and len(m) > 1
+                  and len({type(b) for b in m.children()}) == 1 for b in m.children()}
         return lambda name, module: id(module) in blocks
     if isinstance(which, type) or (isinstance(which, tuple) and all(isinstance(t, type) for t in which)):
         return lambda name, module: isinstance(module, which)

@@ -1,9 +1,13 @@
-"""Which cut a model gets (`cut_for`), and cuts for known model classes that do not define
-pipeline_embed / pipeline_head themselves (cut.py, [Note: cutting a model by names]). Each is the model's own forward, split where its
-blocks begin and end; tests/parallel/pipeline/test_pipeline_cut.py checks each against the model's forward."""
+"""Which cut a model gets (`cut_for`), and cuts for known models that do not define pipeline_embed /
+pipeline_head themselves (cut.py, [Note: cutting a model by names]): transformers' GPT-2 and
+torchtitan's decoders. Each is the model's own forward, split where its blocks begin and end;
+tests/parallel/pipeline/test_pipeline_cut.py and tests/test_torchtitan.py check them against the
+model's forward."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Mapping
 
 import torch
@@ -43,8 +47,47 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 GPT2_CUT = Cut("transformer.h", embed=_gpt2_embed, head=_gpt2_head, block=_gpt2_block, loss=causal_lm_loss)
 
 
+# torchtitan's decoders (models/llama3/model/model.py and its siblings): `Transformer.forward` is
+# tok_embeddings → `layer(h, self.freqs_cis, ...)` for each of the ModuleDict `layers` → norm,
+# output; the rotary table is a buffer of the root, which every stage keeps
+def _titan_embed(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model.tok_embeddings(tokens)  # (B, T) → (B, T, C)
+
+
+def _titan_block_args(model: nn.Module, hidden: torch.Tensor) -> tuple:
+    return (model.freqs_cis,)
+
+
+def _titan_block(block: nn.Module, hidden: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    # later torchtitan blocks take attention_masks with no default: None, which is what
+    # Transformer.forward passes under sdpa's causal attention
+    return block(hidden, freqs_cis, **({"attention_masks": None} if _wants_masks(type(block)) else {}))
+
+
+@functools.lru_cache(maxsize=None)
+def _wants_masks(block_class: type) -> bool:
+    parameter = inspect.signature(block_class.forward).parameters.get("attention_masks")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _titan_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return model.output(model.norm(hidden))  # (B, T, C) → logits (B, T, vocab)
+
+
+TORCHTITAN_CUT = Cut("layers", embed=_titan_embed, head=_titan_head, block=_titan_block,
+                     block_args=_titan_block_args)
+
+
+def _is_torchtitan_decoder(model: nn.Module) -> bool:
+    """torchtitan's Transformer, recognised by its parts (its class name is a common one)."""
+    return (type(model).__name__ == "Transformer" and isinstance(getattr(model, "layers", None), nn.ModuleDict)
+            and all(hasattr(model, name) for name in ("tok_embeddings", "norm", "output", "freqs_cis")))
+
+
 def known_cut(model: nn.Module) -> Cut | None:
     """The built-in cut for `model`'s class, or None."""
+    if _is_torchtitan_decoder(model):
+        return TORCHTITAN_CUT
     known: dict[str, Any] = {"GPT2LMHeadModel": GPT2_CUT}
     return known.get(type(model).__name__)
 
