@@ -22,6 +22,12 @@ owner's reset_parameters() and init_fn leave unset, wholly or in part (a causal 
 `__init__`, which on the meta device holds no values, is the common case): each is filled with NaN
 before the calls and checked after them. Integer and boolean tensors cannot be marked that way;
 their owner's calls must set them.
+
+An init_fn that writes tensors of other modules (a root's `init_weights()` called from init_fn)
+is refused, naming them: each tensor is set by its owner alone, so those writes would be lost
+and torch's default init would stand. A model that initialises from its root takes
+`MetaInit(root="init_weights")` instead (`setup(..., init="init_weights")`): the root's method runs
+in place of every owner's calls ([Note: an init from the root], components/root_init.py).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from paratrain.components.root_init import RootInit
 from paratrain.errors import ConfigError
 
 
@@ -43,6 +51,9 @@ class MetaInit:
 
     seed: int = 0  # the session's seed
     init_fn: Callable[[nn.Module], None] | None = None  # runs after each owner's reset_parameters()
+    # the root's method that initialises the whole model (torchtitan's "init_weights"), called
+    # seeded with `seed` instead of every owner's calls (components/root_init.py)
+    root: str | None = None
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -61,6 +72,10 @@ class Materializer:
 
     def __init__(self, model: nn.Module, init: MetaInit | None = None):
         self.model, self.init = model, init or MetaInit()
+        if self.init.root is not None and self.init.init_fn is not None:
+            raise ConfigError(f"setup(..., init={self.init.root!r}) initialises the whole model from its root; "
+                              "init_fn=... sets each module's tensors instead: pass one of them")
+        self._root = RootInit(model, self.init.root) if self.init.root is not None else None
         self._owner: dict[int, tuple[int, str, nn.Module]] = {}  # id(tensor) → (order, path, owner)
         for order, (path, module) in enumerate(model.named_modules(remove_duplicate=False)):
             for t in direct_tensors(module):
@@ -77,9 +92,12 @@ class Materializer:
                 t.detach().fill_(float("nan"))  # unset: whatever is still NaN after the owners ran
         untouched = {id(t): (t._version, t.data_ptr()) for t in todo}  # integers: never written is unset
         mine = {id(t) for t in todo}
-        owners = {self._owner[i][0]: self._owner[i][1:] for i in mine}  # whole-model order → (path, owner)
-        for order in sorted(owners):
-            self._initialise(*owners[order], mine)
+        if self._root is not None:
+            self._root.run(self.init.seed, todo)
+        else:
+            owners = {self._owner[i][0]: self._owner[i][1:] for i in mine}  # whole-model order → (path, owner)
+            for order in sorted(owners):
+                self._initialise(*owners[order], mine)
         self._check_set(todo, untouched)
         if device is not None and torch.device(device).type != "cpu":
             for t in todo:
@@ -127,12 +145,44 @@ class Materializer:
             if callable(reset):
                 reset()
             if self.init.init_fn is not None:
-                self.init.init_fn(owner)
+                with _Writes() as writes:
+                    self.init.init_fn(owner)
+                self._refuse_others(path, owner, writes.targets)
         for t, value in zip(others, kept):
             if value is None:
                 _swap(t, "meta")
             else:
                 t.detach().copy_(value)
+
+
+    def _refuse_others(self, path: str, owner: nn.Module, written: list[torch.Tensor]) -> None:
+        """An init_fn that wrote tensors its module does not hold: lost, so refused by name."""
+        direct = {id(t) for t in direct_tensors(owner)}
+        others = {id(t): t for t in written if id(t) in self._owner and id(t) not in direct}
+        if others:
+            names = {id(t): f"{p + '.' if p else ''}{n}" for p, m in self.model.named_modules()
+                     for n, t in itertools.chain(m._parameters.items(), m._buffers.items()) if t is not None}
+            listed = ", ".join(sorted(names[i] for i in others)[:4]) + (" …" if len(others) > 4 else "")
+            raise ConfigError(f"init_fn({path or 'the model'}) wrote {listed}, which {type(owner).__name__} does "
+                              "not hold: each tensor of a meta-built model is set by its own module's "
+                              "reset_parameters() and init_fn(module), so these writes would be lost. Set only "
+                              "what the module holds, or, for a model that initialises from its root "
+                              "(torchtitan's init_weights()), pass setup(..., init='init_weights')")
+
+
+class _Writes(TorchFunctionMode):
+    """The tensors written in place while it is on: the first argument of every call whose name
+    ends in "_" (Tensor.normal_, nn.init.trunc_normal_, which returns early on a meta tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.targets: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor):
+            self.targets.append(args[0])
+        return func(*args, **(kwargs or {}))
 
 
 def owner_seed(seed: int, path: str) -> int:
@@ -159,10 +209,12 @@ def whole(model: nn.Module, init: MetaInit | None = None) -> nn.Module:
     return model
 
 
-def materialize(model: nn.Module, *, seed: int = 0, init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
+def materialize(model: nn.Module, *, seed: int = 0, init_fn: Callable[[nn.Module], None] | None = None,
+                init: str | None = None) -> nn.Module:
     """`model`, built on the meta device, materialised whole on the CPU by the rule: the reference
-    a sharded run of the same model with the same seed and init_fn equals."""
-    return whole(model, MetaInit(seed, init_fn))
+    a sharded run of the same model with the same seed and init_fn (or `init`, the root's method
+    that initialises the whole model) equals."""
+    return whole(model, MetaInit(seed, init_fn, init))
 
 
 def _holds_nan(t: torch.Tensor) -> bool:

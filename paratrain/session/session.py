@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from paratrain import checkpoint
 from paratrain.components.accumulation import MicroBatch, TokenWeights
 from paratrain.components.activation_checkpointing import Which, checkpoint_activations
-from paratrain.components.materialize import MetaInit
+from paratrain.components.materialize import MetaInit, has_meta
 from paratrain.components.optim import Given, describe, retire_replaced
 from paratrain.components.precision import GradScaler, autocast_dtype, scaler_for
 from paratrain.data.batch import label_shift, unpack
@@ -128,7 +128,8 @@ class Session(JobFacts, SessionCheckpoints):
     # -- setup -----------------------------------------------------------------------------------
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-              loader: DataLoader | None = None, *, init_fn: Callable[[nn.Module], None] | None = None):
+              loader: DataLoader | None = None, *, init_fn: Callable[[nn.Module], None] | None = None,
+              init: str | None = None):
         """Wrap `model` with the strategy, check `optimizer` holds its parameters, and shard
         `loader`. Returns (model, optimizer, loader), leaving out what was not passed.
 
@@ -136,10 +137,17 @@ class Session(JobFacts, SessionCheckpoints):
         strategies, only this rank's shards under zero3 and its stage under a pipeline, each
         tensor by its module's reset_parameters() and then `init_fn(module)`, seeded from the
         session's seed and the module's path, so the values do not depend on the strategy or the
-        world size (components/materialize.py)."""
+        world size (components/materialize.py). A model that initialises from its root
+        (torchtitan's `init_weights()`) takes `init="init_weights"` instead: every rank gets the
+        values of `torch.manual_seed(seed); model.to_empty(device="cpu"); model.init_weights()`
+        on one process, for the part it holds (components/root_init.py)."""
         if self.model is not None:
             raise UsageError("setup() was already called on this session: keep using the model, "
                              "optimizer and loader it returned, or make a new Session for another model")
+        if init is not None and isinstance(model, nn.Module) and not has_meta(uncompiled(model)):
+            raise ConfigError(f"setup(..., init={init!r}) initialises a model built on the meta device; this one "
+                              f"holds real tensors already: call model.{init}() yourself before setup, or build "
+                              "the model under torch.device('meta')")
         self.given = describe(model, optimizer)
         self._label_shift = label_shift(uncompiled(model))  # what weight="tokens" counts (data/batch.py)
         if self._verify is not None:
@@ -147,7 +155,7 @@ class Session(JobFacts, SessionCheckpoints):
         if self.activation_checkpointing is not None:
             checkpoint_activations(uncompiled(model), self.activation_checkpointing)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid,
-                                                         init=MetaInit(self.seed, init_fn))
+                                                         init=MetaInit(self.seed, init_fn, init))
         retire_replaced(optimizer, self.optimizer, self.strategy.name)
         if self.nan_check and self.scaler is None and self.max_grad_norm is None:  # else the
             self.model.watch_reductions()  # unscale or the norm is the check (session/step.py)
