@@ -78,21 +78,22 @@ def send(tensor: torch.Tensor, dst: int, group=None, *, counter: ByteCounter | N
     return count_bytes(counter, nbytes(tensor))
 
 
-def recv(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
-    """Receive into `tensor` (shape and dtype must match the send) from rank `src`; returns it."""
-    dist.recv(tensor, global_rank(group, src), group=group)
+def recv(tensor: torch.Tensor, src: int, group=None, *, tag: int = 0) -> torch.Tensor:
+    """Receive into `tensor` (shape and dtype must match the send) from rank `src`; returns it.
+    A `tag` other than 0 matches only sends of that tag (gloo; NCCL ignores tags)."""
+    dist.recv(tensor, global_rank(group, src), group=group, tag=tag)
     return tensor
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None, *, counter: ByteCounter | None = None):
+def isend(tensor: torch.Tensor, dst: int, group=None, *, counter: ByteCounter | None = None, tag: int = 0):
     """Start sending `tensor` to rank `dst`; returns the work handle to `.wait()` on."""
     count_bytes(counter, nbytes(tensor))
-    return dist.isend(tensor, global_rank(group, dst), group=group)
+    return dist.isend(tensor, global_rank(group, dst), group=group, tag=tag)
 
 
-def irecv(tensor: torch.Tensor, src: int, group=None):
+def irecv(tensor: torch.Tensor, src: int, group=None, *, tag: int = 0):
     """Start receiving into `tensor` from rank `src`; returns the work handle to `.wait()` on."""
-    return dist.irecv(tensor, global_rank(group, src), group=group)
+    return dist.irecv(tensor, global_rank(group, src), group=group, tag=tag)
 
 
 # ---- collectives ---------------------------------------------------------------------------

@@ -256,17 +256,19 @@ def scaled(loss: torch.Tensor, factor: float) -> torch.Tensor:
     return loss if factor == 1.0 else loss * factor
 
 
-def backward_no_autocast(tensors: torch.Tensor | list[torch.Tensor], grads: list[torch.Tensor] | None = None) -> None:
+def backward_no_autocast(tensors: torch.Tensor | list[torch.Tensor], grads: list[torch.Tensor] | None = None,
+                         **kwargs: Any) -> None:
     """`torch.autograd.backward` with autocast off, as torch's AMP recipe runs it. The session's
     autocast spans forward_backward (a pipeline interleaves forward and backward), and the
     autograd engine hands it on to its CUDA threads, where it adds cast kernels to every block's
-    backward (torch.profiler shows them on a bf16 GPT step)."""
+    backward (torch.profiler shows them on a bf16 GPT step). `kwargs`: torch's (inputs=,
+    retain_graph=), for a backward split in two (pipeline/stage.py)."""
     first = tensors if torch.is_tensor(tensors) else next(iter(tensors), None)
     if first is None or not torch.is_autocast_enabled(first.device.type):
-        torch.autograd.backward(tensors, grads)
+        torch.autograd.backward(tensors, grads, **kwargs)
         return
     with torch.autocast(first.device.type, enabled=False):
-        torch.autograd.backward(tensors, grads)
+        torch.autograd.backward(tensors, grads, **kwargs)
 
 
 def check_loss(loss: Any) -> torch.Tensor:

@@ -16,6 +16,14 @@ def chain(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Tanh(), nn.Linear(16, 5))
 
 
+def block_chain(seed: int = 0) -> nn.Sequential:
+    """9 layers, each with weights, so it cuts into up to 9 (virtual) stages: (Linear, Tanh)
+    blocks 12→16, 16→16 × 7, then Linear 16→5."""
+    torch.manual_seed(seed)
+    blocks = [nn.Sequential(nn.Linear(16 if i else 12, 16), nn.Tanh()) for i in range(8)]
+    return nn.Sequential(*blocks, nn.Linear(16, 5))
+
+
 def batches(steps: int = STEPS, batch: int = GLOBAL_BATCH):
     g = torch.Generator().manual_seed(1)
     return torch.randn(steps, batch, 12, generator=g), torch.randint(0, 5, (steps, batch), generator=g)

@@ -158,13 +158,16 @@ def held(entries: list[tuple[nn.Module, str, str]]) -> list[nn.Parameter]:
     return out
 
 
-def prune(model: nn.Module, cut: Cut, span: tuple[int, int], first: bool, last: bool) -> StageRun:
-    """Keep in `model` only this stage's parts (in place) and return how the stage runs."""
+def prune(model: nn.Module, cut: Cut, spans: Sequence[tuple[int, int]], first: bool, last: bool) -> list[StageRun]:
+    """Keep in `model` only this rank's parts (in place): the blocks of its chunks' `spans`, the
+    parts before the blocks if its first chunk is the first stage, those after them if its last
+    chunk is the last; return how each chunk runs."""
     before, after = parts(model, cut)
     blocks = named_blocks(model, cut.layers)
-    kept = nn.ModuleDict(blocks[span[0]:span[1]])  # under the model's own keys
+    kept = nn.ModuleDict([b for a, z in spans for b in blocks[a:z]])  # under the model's own keys
     owner_name, _, attr = cut.layers.rpartition(".")
     (model.get_submodule(owner_name) if owner_name else model)._modules[attr] = kept
     for owner, name, kind in (before if not first else []) + (after if not last else []):
         (owner._modules if kind == "module" else owner._parameters)[name] = None
-    return StageRun(model, cut, list(kept.values()), first, last)
+    return [StageRun(model, cut, [b for _, b in blocks[a:z]], first and c == 0, last and c == len(spans) - 1)
+            for c, (a, z) in enumerate(spans)]

@@ -1,9 +1,13 @@
-"""Which parameters each pipeline stage holds, and how this rank builds its own stage: from an
+"""Which parameters each pipeline stage holds, and how this rank builds its own: from an
 nn.Sequential cut between its layers (partition.py), or from a model cut at named blocks
-(cut.py). Every rank plans every stage, so all agree on the weights tied across stages."""
+(cut.py). Every rank plans every stage, so all agree on the weights tied across stages. With
+interleaving the model is cut into stages × virtual stages, and a rank builds several
+(actions.py): one module holding all its chunks' parts under the model's own names, and what each
+chunk runs."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -16,8 +20,8 @@ from paratrain.parallel.pipeline.partition import boundaries, split_model
 
 @dataclass
 class StagePlan:
-    holdings: list[list[nn.Parameter]]  # each stage's parameters, before anything is cut
-    build: Callable[[int], tuple[nn.Module, Callable[[Any], Any]]]  # stage → (its module, what it runs)
+    holdings: list[list[nn.Parameter]]  # each (virtual) stage's parameters, before anything is cut
+    build: Callable[[list[int]], tuple[nn.Module, list[Callable[[Any], Any]]]]  # stages → (module, runs)
     loss: Callable[[Any, Any], Any] | None = None  # the model's own loss on the head's outputs
 
 
@@ -25,7 +29,18 @@ def plan_sequential(model: nn.Module | Sequence[nn.Module], stages: int,
                     costs: Sequence[float] | None) -> StagePlan:
     """Slices of an nn.Sequential (or the user's own list of stage modules)."""
     pieces = split_model(model, stages, costs=costs)
-    return StagePlan([list(piece.parameters()) for piece in pieces], lambda s: (pieces[s], pieces[s]))
+
+    def build(mine: list[int]) -> tuple[nn.Module, list[Callable[[Any], Any]]]:
+        if len(mine) == 1:
+            return pieces[mine[0]], [pieces[mine[0]]]
+        # the children of every chunk under their own names (`3.weight` stays `3.weight`); the
+        # user's own stage modules, whose names may repeat, under their stage numbers
+        children = [(n, c) for k in mine for n, c in pieces[k]._modules.items()]
+        if len({n for n, _ in children}) == len(children) and all(isinstance(pieces[k], nn.Sequential) for k in mine):
+            return nn.Sequential(OrderedDict(children)), [pieces[k] for k in mine]
+        return nn.ModuleDict({str(k): pieces[k] for k in mine}), [pieces[k] for k in mine]
+
+    return StagePlan([list(piece.parameters()) for piece in pieces], build)
 
 
 def plan_cut(model: nn.Module, stages: int, cut: Cut, split_at: Sequence[str] | None,
@@ -42,7 +57,8 @@ def plan_cut(model: nn.Module, stages: int, cut: Cut, split_at: Sequence[str] | 
     holdings[0] += held(before)
     holdings[-1] += held(after)
     last = stages - 1
-    return StagePlan(holdings, lambda s: (model, prune(model, cut, spans[s], first=s == 0, last=s == last)),
+    return StagePlan(holdings, lambda mine: (model, prune(model, cut, [spans[k] for k in mine],
+                                                          first=mine[0] == 0, last=mine[-1] == last)),
                      cut.loss)
 
 

@@ -1,69 +1,162 @@
-"""Pipeline schedules: in which order one stage runs the forwards and backwards of m micro-batches.
+"""Pipeline schedules: the order in which each rank runs the forwards and backwards of m
+micro-batches, as data (actions.py). A schedule is a pure function `order(p, v, m)` that returns
+each rank's compute actions; `with_comm` adds the sends and receives by one rule, check.py proves
+the lists before they run, and stage.py runs them.
 
-A schedule is a plain function `schedule(stage, m)` run by every stage of the pipeline at once;
-the order of its calls to `stage.forward_one` / `stage.backward_one` is the schedule, and the p2p
-moves between them (`stage.links`, p2p.py) carry activations forward and gradients back. At the
-ends of the pipeline the moves do nothing, so the same lines serve every stage.
+With p uniform stages, a forward costing 1 and a backward 2 (its input and weight gradients 1
+each), the schedules leave each rank idle for these fractions of the step:
 
-With p uniform stages both schedules below leave each stage idle (p-1)/(m+p-1) of the step, the
-"pipeline bubble"; they differ in memory: GPipe holds all m micro-batches' activations at its
-peak, 1F1B at most p (Narayanan et al. 2021, section 2.2.1). Gradients are the same: every
-micro-batch's backward runs exactly once before the step ends.
+    gpipe, 1f1b         (p-1) / (m + p - 1)         Narayanan et al. 2021, section 2.2.1
+    interleaved-1f1b    (p-1) / (v·m + p - 1)        the same paper, section 2.2.2 (m a multiple of p)
+    zb-h1               (p-1) / (3m + p - 1)         Qi et al. 2023, section 3.1: (p-1)(F+I-W) idle
+
+and hold at most these micro-batches' activations on a rank: GPipe m, 1F1B and zb-h1 p, and
+interleaved 1F1B (v-1)·p/… chunks, each 1/v of a stage, about (1 + (p-1)/(v·p)) · p stages' worth.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable
 
-if TYPE_CHECKING:
-    from paratrain.parallel.pipeline.stage import PipelineStage
+from paratrain.errors import ConfigError
+from paratrain.parallel.pipeline.actions import Action, Op
 
-
-def gpipe(stage: "PipelineStage", m: int) -> None:
-    """GPipe (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using
-    Pipeline Parallelism"), the fill-drain schedule; torch's ScheduleGPipe runs the same order.
-
-    Phase 1, all forward: micro-batches 0 … m-1 in order; each waits for its activation from the
-    previous stage, runs, and sends its output on without waiting. Stage s starts after s slots.
-    Phase 2, all backward: micro-batches 0 … m-1 in order; each waits for its output's gradient
-    from the next stage (the last stage starts from its loss), runs, and sends its input's
-    gradient back. All m micro-batches' activations are alive at the end of phase 1.
-    """
-    links = stage.links
-    for i in range(m):
-        links.send_forward(stage.forward_one(i, links.recv_forward()))
-    for i in range(m):
-        links.send_backward(stage.backward_one(i, links.recv_backward()))
+Order = Callable[[int, int, int], list[list[Action]]]
 
 
-def one_f_one_b(stage: "PipelineStage", m: int) -> None:
-    """1F1B, "one forward, one backward" (PipeDream-Flush: Narayanan et al. 2021, "Memory-Efficient
-    Pipeline-Parallel DNN Training"; the order of Megatron-LM's
-    forward_backward_pipelining_without_interleaving). Stage s of p, with w = min(p-1-s, m):
-
-    Phase 1, warm-up: forwards of micro-batches 0 … w-1, as in GPipe.
-    Phase 2, steady state, for i = w … m-1: forward micro-batch i, send its output while receiving
-    the gradient of micro-batch i-w, backward i-w, send its input's gradient while receiving the
-    activation of micro-batch i+1. At most w+1 ≤ p micro-batches are alive at any time.
-    Phase 3, cool-down: backwards of the last w micro-batches, m-w … m-1.
-
-    The last stage has no warm-up: it alternates forward and backward from the start. With
-    m < p the warm-up is cut to m and the steady state is empty: GPipe's order.
-    """
-    links = stage.links
-    warmup = min(stage.stages - 1 - stage.stage, m)
-    for i in range(warmup):
-        links.send_forward(stage.forward_one(i, links.recv_forward()))
-    x = links.recv_forward() if warmup < m else None
-    for i in range(warmup, m):
-        g = links.send_forward_recv_backward(stage.forward_one(i, x))
-        dx = stage.backward_one(i - warmup, g)
-        if i + 1 < m:
-            x = links.send_backward_recv_forward(dx)
-        else:
-            links.send_backward(dx)
-    for i in range(m - warmup, m):
-        links.send_backward(stage.backward_one(i, links.recv_backward()))
+def gpipe(p: int, v: int, m: int) -> list[list[Action]]:
+    """GPipe (Huang et al. 2019), fill-drain; torch's ScheduleGPipe runs the same order.
+    Phase 1: forwards of micro-batches 0 … m-1. Phase 2: their backwards, 0 … m-1. All m
+    micro-batches' activations are alive at the end of phase 1."""
+    _one_chunk("gpipe", v)
+    return [[Action(Op.F, i, s) for i in range(m)] + [Action(Op.B, i, s) for i in range(m)] for s in range(p)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def one_f_one_b(p: int, v: int, m: int) -> list[list[Action]]:
+    """1F1B (PipeDream-Flush: Narayanan et al. 2021; Megatron-LM's
+    forward_backward_pipelining_without_interleaving). Stage s, with w = min(p-1-s, m):
+    Phase 1, warm-up: forwards 0 … w-1. Phase 2, steady: for i = w … m-1, forward i then
+    backward i-w. Phase 3, cool-down: backwards m-w … m-1. At most w+1 ≤ p micro-batches are
+    alive; the last stage alternates from the start; with m < p it is GPipe's order."""
+    _one_chunk("1f1b", v)
+    orders = []
+    for s in range(p):
+        w = min(p - 1 - s, m)
+        order = [Action(Op.F, i, s) for i in range(w)]
+        for i in range(w, m):
+            order += [Action(Op.F, i, s), Action(Op.B, i - w, s)]
+        orders.append(order + [Action(Op.B, i, s) for i in range(m - w, m)])
+    return orders
+
+
+def interleaved_1f1b(p: int, v: int, m: int) -> list[list[Action]]:
+    """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2; Megatron-LM's
+    forward_backward_pipelining_with_interleaving, torch's ScheduleInterleaved1F1B). Rank r holds
+    chunks r, r+p, … (virtual stages). Micro-batches go in rounds of n = min(m, p):
+    the j-th forward of a rank is of chunk (j // n) mod v, the j-th backward of chunk
+    v-1 - (j // n) mod v, each chunk taking its micro-batches in order.
+    Phase 1, warm-up: w = min((v-1)·n + 2(p-1-r), v·m) forwards.
+    Phase 2, steady: forward j, then backward j-w, for j = w … v·m-1.
+    Phase 3, cool-down: the backwards left.
+    m is a multiple of p (rounds of p), or fewer than p (one round of m)."""
+    n = microbatches_per_round(p, m)
+    orders = []
+    for r in range(p):
+        total = v * m
+        w = min((v - 1) * n + 2 * (p - 1 - r), total)
+        forwards = _chunked(r, p, v, n, total, reverse=False)
+        backwards = _chunked(r, p, v, n, total, reverse=True)
+        order = [Action(Op.F, i, k) for i, k in forwards[:w]]
+        for j in range(w, total):
+            order += [Action(Op.F, *forwards[j]), Action(Op.B, *backwards[j - w])]
+        orders.append(order + [Action(Op.B, i, k) for i, k in backwards[total - w:]])
+    return orders
+
+
+def zb_h1(p: int, v: int, m: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1; torch's
+    ScheduleInterleavedZeroBubble at one chunk per rank). 1F1B's order with each backward split
+    into I (the input gradient, which the previous stage waits for) and W (the weight gradient,
+    which nobody waits for): stage s defers its first s weight passes, then follows each I by the
+    oldest deferred W, and runs the ones left at the end. The deferred W's fill the cool-down's
+    bubble, and at most p micro-batches are alive, as in 1F1B."""
+    _one_chunk("zb-h1", v)
+    return [_zb_h1_stage(s, p, m) for s in range(p)]
+
+
+def _zb_h1_stage(s: int, p: int, m: int) -> list[Action]:
+    w = min(p - 1 - s, m)
+    order = [Action(Op.F, i, s) for i in range(w)]
+    deferred: list[int] = []
+
+    def backward(i: int) -> list[Action]:
+        """I of micro-batch i, then the oldest deferred W once s of them wait."""
+        deferred.append(i)
+        return [Action(Op.I, i, s)] + ([Action(Op.W, deferred.pop(0), s)] if len(deferred) > s else [])
+
+    for i in range(w, m):
+        order += [Action(Op.F, i, s)] + backward(i - w)
+    for i in range(m - w, m):
+        order += backward(i)
+    return order + [Action(Op.W, i, s) for i in deferred]
+
+
+def microbatches_per_round(p: int, m: int) -> int:
+    """The micro-batches of one round of interleaved 1F1B (all m, or p), or a ConfigError saying
+    what to pass. Rounds of more than p micro-batches (torch allows m = 10 at p = 4, in rounds of
+    5) would make a rank's sends wait on each other in warm-up: check.py finds them hanging."""
+    if m <= p or m % p == 0:
+        return min(m, p)
+    below, above = m - m % p, m + p - m % p
+    raise ConfigError(f"interleaved-1f1b runs micro-batches in rounds of the {p} stages: "
+                      f"microbatches={m} is neither a multiple of {p} nor fewer than {p}; pass "
+                      f"microbatches={below} or {above}")
+
+
+def _chunked(r: int, p: int, v: int, n: int, total: int, reverse: bool) -> list[tuple[int, int]]:
+    """The (micro-batch, virtual stage) of rank r's j-th forward (or backward), j < total."""
+    taken = [0] * v
+    out = []
+    for j in range(total):
+        c = (j // n) % v
+        c = v - 1 - c if reverse else c
+        out.append((taken[c], c * p + r))
+        taken[c] += 1
+    return out
+
+
+def _one_chunk(name: str, v: int) -> None:
+    if v != 1:
+        raise ConfigError(f"schedule {name!r} runs one chunk per rank; virtual={v} needs "
+                          "schedule='interleaved-1f1b'")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A named schedule: its order and the idle fraction its theory gives (None: none stated)."""
+
+    order: Order
+    bubble: Callable[[int, int, int], Fraction | None]
+    split_backward: bool = False  # runs I and W instead of B
+
+
+def _classic(p: int, v: int, m: int) -> Fraction:
+    return Fraction(p - 1, m + p - 1)
+
+
+def _interleaved(p: int, v: int, m: int) -> Fraction | None:
+    return Fraction(p - 1, v * m + p - 1) if m % p == 0 else None
+
+
+def _zero_bubble(p: int, v: int, m: int) -> Fraction | None:
+    return Fraction(p - 1, 3 * m + p - 1) if m >= p else None
+
+
+SCHEDULES = {
+    "gpipe": Schedule(gpipe, _classic),
+    "1f1b": Schedule(one_f_one_b, _classic),
+    "interleaved-1f1b": Schedule(interleaved_1f1b, _interleaved),
+    "zb-h1": Schedule(zb_h1, _zero_bubble, split_backward=True),
+}

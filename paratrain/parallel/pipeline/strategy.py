@@ -43,8 +43,9 @@ class Pipeline(Strategy):
 
     name = "pipeline"
     stages: int = 2  # ranks in one pipeline; must divide the world size (the rest are replicas)
-    schedule: str = "1f1b"  # "gpipe" (all forward, then all backward) or "1f1b" (schedules.py)
+    schedule: str = "1f1b"  # "gpipe", "1f1b", "interleaved-1f1b" or "zb-h1" (schedules.py)
     microbatches: int = 4  # micro-batches per replica batch; must divide the replica's batch size
+    virtual: int = 1  # chunks per rank (interleaved-1f1b): the model is cut into stages × virtual
     balance: str = "layers"  # cut an nn.Sequential by "layers", "params" or measured "time"
     sample: Any = None  # balance="time" only: an input batch, or a function that returns one
     layers: str | None = None  # another model: the nn.ModuleList of blocks to cut (cut.py)
@@ -57,6 +58,10 @@ class Pipeline(Strategy):
                               f"stages={self.stages}, microbatches={self.microbatches}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose one of {sorted(SCHEDULES)}")
+        if not isinstance(self.virtual, int) or self.virtual < 1 or (self.virtual > 1 and self.stages < 2):
+            raise ConfigError(f"Pipeline(virtual={self.virtual!r}) is the number of chunks each of the stages "
+                              "holds, a positive integer, and more than one needs stages >= 2")
+        SCHEDULES[self.schedule].order(self.stages, self.virtual, self.microbatches)  # refuse its settings now
         if self.balance not in BALANCES:
             raise ConfigError(f"balance must be one of {BALANCES}; got {self.balance!r}")
         if self.split_at is not None:
@@ -74,8 +79,10 @@ class Pipeline(Strategy):
         names = {p: n for n, p in entire.named_parameters()}  # a tied weight: its first name
         materializer = Materializer(entire, init) if has_meta(entire) else None  # read while whole
         plan = self._plan(model)
-        tied = holders(plan.holdings)
-        module, run = plan.build(grid.stage)
+        tied = self._tied_ranks(plan.holdings)
+        chunks = [c * self.stages + grid.stage for c in range(self.virtual)]  # this rank's virtual stages
+        chunk_params = [plan.holdings[k] for k in chunks]
+        module, runs = plan.build(chunks)
         if materializer is not None:  # a meta-built model: this stage's parts only (components/materialize.py)
             materializer.materialize([*module.parameters(), *module.buffers()])
         module = module.to(grid.topology.device)
@@ -83,24 +90,39 @@ class Pipeline(Strategy):
         names = {p: n for p, n in names.items() if p in mine}
         (pipe_group, _), (dp_group, _) = grid.group("pp"), grid.group("dp")
         tied_weights = TiedWeights()
-        for stages in sorted(set(tied.values())):  # every rank makes every group, in order
-            group, _ = grid.stages_group(stages)
+        for ranks in sorted(set(tied.values())):  # every rank makes every group, in order
+            group, _ = grid.stages_group(ranks)
             for p in module.parameters():
-                if tied.get(id(p)) == stages:
-                    tied_weights.add(p, group, lowest=grid.stage == stages[0])
+                if tied.get(id(p)) == ranks:
+                    tied_weights.add(p, group, lowest=grid.stage == ranks[0])
         broadcast_coalesced([*module.parameters(), *module.buffers()], dp_group)
         tied_weights.broadcast()
         stage = PipelineStage(module, stage=grid.stage, stages=self.stages, schedule=SCHEDULES[self.schedule],
                               microbatches=self.microbatches, pipe_group=pipe_group, dp_group=dp_group,
-                              device=grid.topology.device, run=run, tied=tied_weights, names=names,
-                              loss=plan.loss)
+                              device=grid.topology.device, runs=runs, tied=tied_weights, names=names,
+                              loss=plan.loss, virtual=self.virtual, chunk_params=chunk_params,
+                              ordered_pairs=grid.topology.backend == "nccl")
         return stage, stage_optimizer(optimizer, module) if optimizer is not None else None
 
     def holdings(self, model: nn.Module) -> list[list[nn.Parameter]]:
-        """Each stage's parameters, as setup() cuts `model` (which may be on the meta device); a
-        weight tied across stages is in each stage holding it. Local (no collective) except for
-        balance="time", which measures on this rank and takes rank 0's costs."""
-        return self._plan(model).holdings
+        """Each stage's parameters (with `virtual`, all its chunks'), as setup() cuts `model`
+        (which may be on the meta device); a weight tied across stages is in each stage holding
+        it. Local (no collective) except for balance="time", which measures on this rank and takes
+        rank 0's costs."""
+        chunks = self._plan(model).holdings
+        return [[p for k in range(s, len(chunks), self.stages) for p in chunks[k]] for s in range(self.stages)]
+
+    def _tied_ranks(self, holdings: list[list[nn.Parameter]]) -> dict[int, tuple[int, ...]]:
+        """id of each weight tied across ranks → the ranks holding it; refused where two chunks
+        of one rank hold it (each chunk averages its own gradients over the replicas)."""
+        tied = {}
+        for pid, stages in holders(holdings).items():
+            ranks = tuple(sorted({k % self.stages for k in stages}))
+            if len(ranks) < len(stages):
+                raise ConfigError(f"a weight is shared by virtual stages {list(stages)}, two of which are chunks of "
+                                  f"one rank; with virtual={self.virtual} choose other stages or tie other layers")
+            tied[pid] = ranks
+        return tied
 
     def _plan(self, model: nn.Module) -> StagePlan:
         if uncompiled(model) is not model:
@@ -113,8 +135,9 @@ class Pipeline(Strategy):
                 costs = layer_costs(model, self.balance, self.sample)
                 if self.balance == "time":  # times differ between ranks, cuts must not: take rank 0's
                     costs = comm.broadcast_object(costs)
-            return plan_sequential(model, self.stages, costs)
-        return plan_cut(model, self.stages, cut_for(model, self.layers, self.cut), self.split_at, self.balance)
+            return plan_sequential(model, self.stages * self.virtual, costs)
+        return plan_cut(model, self.stages * self.virtual, cut_for(model, self.layers, self.cut), self.split_at,
+                        self.balance)
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, stage: nn.Module) -> torch.optim.Optimizer:

@@ -1,4 +1,5 @@
-"""What a pipeline schedule did: one event per forward or backward of one micro-batch on one stage.
+"""What a pipeline schedule did: one event per compute action (F, B, I or W, actions.py) of one
+micro-batch on one chunk of one pipeline rank.
 
 Every `PipelineStage` records, for each micro-batch it computes, when the computation started and
 ended (`time.perf_counter`, the same CLOCK_MONOTONIC in every process of one machine; across
@@ -6,11 +7,11 @@ machines the clocks are only as close as their synchronisation) and how many mic
 of activations the stage held afterwards. From these events:
 
 - `idle_fraction(events)`: the bubble, 1 - busy / (stages × makespan), from the recorded times;
-- `replay(events)`: the same per-stage order of actions, re-timed as if every forward took 1 unit
-  and every backward 2 on every stage, each action starting when its stage is free and its input
-  has arrived (the activation from the stage before, or the gradient from the stage after). This
-  gives the bubble of the *schedule* on uniform stages, free of the noise of a shared machine, and
-  it fails if the recorded order could deadlock. `replay(events, measured=True)` keeps each
+- `replay(events)`: the same per-rank order of actions, re-timed as if every forward took 1 unit
+  and every backward 2 (I and W 1 each) on every stage, each action starting when its rank is free
+  and its input has arrived (check.replay). This gives the bubble of the *schedule* on uniform
+  stages, free of the noise of a shared machine, and it fails if the recorded order could
+  deadlock. `replay(events, measured=True)` keeps each
   action's recorded duration: the fastest run of the recorded order with those durations, so its
   bubble is a lower bound of the recorded one;
 - `peak_in_flight(events)`: per stage, the most micro-batches whose activations were alive;
@@ -29,24 +30,33 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
+from paratrain.parallel.pipeline import check
+from paratrain.parallel.pipeline.actions import Action, Op
+
 
 class Kind(str, enum.Enum):
     """Which half of a micro-batch's work an event is."""
 
     FORWARD = "F"
     BACKWARD = "B"
+    INPUT = "I"  # the input-gradient half of a split backward
+    WEIGHT = "W"  # the weight-gradient half
 
 
 @dataclass(frozen=True)
 class Event:
     """One stage computing one micro-batch's forward or backward."""
 
-    stage: int  # pipeline stage index, 0 … stages-1
-    kind: Kind  # forward or backward
+    stage: int  # pipeline rank, 0 … stages-1
+    kind: Kind  # forward, backward, or one half of a split backward
     microbatch: int  # index of the micro-batch inside the step
     start: float  # seconds (perf_counter) when the computation began (after its input arrived)
     end: float  # seconds when it finished (before its output was sent)
-    in_flight: int  # micro-batches whose activations this stage holds after this event
+    in_flight: int  # micro-batches (of one chunk each) whose activations this rank holds after it
+    chunk: int = 0  # which of the rank's chunks: virtual stage chunk · stages + stage
+
+
+COLOURS = {Kind.FORWARD: "#9ecae1", Kind.BACKWARD: "#3182bd", Kind.INPUT: "#3182bd", Kind.WEIGHT: "#08519c"}
 
 
 def by_stage(events: Sequence[Event]) -> dict[int, list[Event]]:
@@ -72,44 +82,16 @@ def peak_in_flight(events: Sequence[Event]) -> dict[int, int]:
 
 def replay(events: Sequence[Event], forward_cost: float = 1.0, backward_cost: float = 2.0, *,
            measured: bool = False) -> list[Event]:
-    """The recorded per-stage order, re-timed on uniform stages, or with `measured` each action
-    taking its recorded duration (see the module docstring).
-
-    An action runs once its stage finished the previous action and its input exists: F(s, i)
-    needs F(s-1, i); B(s, i) needs B(s+1, i) (the last stage's B needs its own F, earlier in its
-    order). Raises if no action can run, which means the recorded orders deadlock."""
-    queues = {s: list(evs) for s, evs in by_stage(events).items()}
-    last = max(queues)
-    done: dict[tuple[int, Kind, int], float] = {}
-    free = {s: 0.0 for s in queues}
-    out: list[Event] = []
-    while any(queues.values()):
-        progressed = False
-        for s, queue in queues.items():
-            while queue:
-                e = queue[0]
-                dep = _dependency(e, last)
-                if dep is not None and dep not in done:
-                    break
-                start = max(free[s], done.get(dep, 0.0))
-                cost = forward_cost if e.kind is Kind.FORWARD else backward_cost
-                end = start + (e.end - e.start if measured else cost)
-                done[(s, e.kind, e.microbatch)], free[s] = end, end
-                out.append(replace(e, start=start, end=end))
-                queue.pop(0)
-                progressed = True
-        if not progressed:
-            stuck = {s: (q[0].kind.value, q[0].microbatch) for s, q in queues.items() if q}
-            raise RuntimeError(f"the recorded schedule deadlocks: stages wait on {stuck}")
-    return out
-
-
-def _dependency(e: Event, last: int) -> tuple[int, Kind, int] | None:
-    if e.kind is Kind.FORWARD:
-        return None if e.stage == 0 else (e.stage - 1, Kind.FORWARD, e.microbatch)
-    if e.stage == last:
-        return None  # its own forward came earlier in the same stage's order
-    return (e.stage + 1, Kind.BACKWARD, e.microbatch)
+    """The recorded per-rank order, re-timed on uniform stages, or with `measured` each action
+    taking its recorded duration (see the module docstring). Raises if no action can run, which
+    means the recorded orders deadlock."""
+    ranks = by_stage(events)
+    p = len(ranks)
+    lists = [[Action(Op(e.kind.value), e.microbatch, e.chunk * p + e.stage) for e in ranks[s]] for s in sorted(ranks)]
+    costs = {Op.F: forward_cost, Op.B: backward_cost, Op.I: backward_cost / 2, Op.W: backward_cost / 2}
+    duration = (lambda r, j: ranks[r][j].end - ranks[r][j].start) if measured else None
+    timed = check.replay(lists, p, costs, duration=duration)
+    return [replace(ranks[t.rank][t.index], start=float(t.start), end=float(t.end)) for t in timed]
 
 
 def draw(panels: Mapping[str, Sequence[Event]], path: str, *, unit: str = "seconds") -> None:
@@ -129,7 +111,9 @@ def draw(panels: Mapping[str, Sequence[Event]], path: str, *, unit: str = "secon
     axes[-1, 0].set_xlabel(unit)
     from matplotlib.patches import Patch
 
-    axes[0, 0].legend(handles=[Patch(color="#9ecae1", label="forward"), Patch(color="#3182bd", label="backward")],
+    names = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.INPUT: "input grad", Kind.WEIGHT: "weight grad"}
+    shown = {e.kind for evs in panels.values() for e in evs}
+    axes[0, 0].legend(handles=[Patch(color=COLOURS[k], label=n) for k, n in names.items() if k in shown],
                       loc="upper left", bbox_to_anchor=(0.3, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -141,11 +125,11 @@ def _draw_panel(ax, events: Sequence[Event], title: str) -> None:
     origin = min(e.start for e in events)
     for s, evs in stages.items():
         for e in evs:
-            forward = e.kind is Kind.FORWARD
-            ax.barh(s, e.end - e.start, left=e.start - origin, color="#9ecae1" if forward else "#3182bd",
-                    edgecolor="black", lw=0.5)
+            light = e.kind is Kind.FORWARD
+            ax.barh(s, e.end - e.start, left=e.start - origin, color=COLOURS[e.kind], edgecolor="black", lw=0.5,
+                    hatch="//" if e.chunk % 2 else None)
             ax.text((e.start + e.end) / 2 - origin, s, str(e.microbatch), ha="center", va="center",
-                    fontsize=7, color="black" if forward else "white")
+                    fontsize=7, color="black" if light else "white")
     ax.set_yticks(list(stages), [f"stage {s}" for s in stages])
     ax.invert_yaxis()
     ax.set_title(title, fontsize=10)

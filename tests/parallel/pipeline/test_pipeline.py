@@ -17,12 +17,12 @@ from paratrain.parallel.pipeline import (Kind, Pipeline, PipelineStage, boundari
 from paratrain.parallel.pipeline.timeline import by_stage
 from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
 from paratrain.distributed.topology import Topology
-from tests.support.pipeline_models import GLOBAL_BATCH, STEPS, batches, chain
+from tests.support.pipeline_models import GLOBAL_BATCH, STEPS, batches, block_chain, chain
 
 
-def reference(steps: int = STEPS):
+def reference(steps: int = STEPS, model_fn=chain):
     """One process, the whole global batch per step: parameters and losses."""
-    model = chain()
+    model = model_fn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     xs, ys = batches(steps)
     losses = []
@@ -54,28 +54,31 @@ class _CountSends:
         return Counted()
 
 
-def _train(topo, stages, schedule, m):
+def _train(topo, stages, schedule, m, virtual=1, model_fn=chain):
     import paratrain.distributed.comm
     sends = paratrain.distributed.comm.isend = _CountSends(paratrain.distributed.comm.isend)  # this rank's process only
-    strategy = Pipeline(stages=stages, schedule=schedule, microbatches=m)
-    model = chain()
+    strategy = Pipeline(stages=stages, schedule=schedule, microbatches=m, virtual=virtual)
+    model = model_fn()
     stage, opt = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                 strategy.grid(topo))
     replicas, index = stage.replicas, stage.replica_index
     xs, ys = batches()
-    losses = []
+    losses, first_grads = [], None
     for step in range(STEPS):
         x, y = xs[step].chunk(replicas)[index], ys[step].chunk(replicas)[index]
         losses.append(stage.forward_backward(x, y, F.cross_entropy, 1.0).item())
+        if first_grads is None:
+            first_grads = {n: p.grad.clone() for n, p in stage.module.named_parameters()}
         opt.step()
         opt.zero_grad()
     paratrain.distributed.comm.isend = sends.isend
     return dict(state=stage.module.state_dict(), losses=losses, events=stage.gather_events(),
-                replica=index, stage=stage.stage, most_sends=sends.most)
+                replica=index, stage=stage.stage, most_sends=sends.most, grads=first_grads,
+                actions=stage.actions)
 
 
 def _sweep(topo, stages, settings):
-    return [_train(topo, stages, schedule, m) for schedule, m in settings]
+    return [_train(topo, stages, *setting) for setting in settings]
 
 
 def _merged(results, replica=0):
@@ -183,8 +186,87 @@ def test_a_stage_holds_one_message_per_neighbour_not_one_per_microbatch(sweeps, 
             assert results[index]["most_sends"] <= neighbours + 2 * (stage < p - 1), (schedule, m, rank)
 
 
+NEW_SWEEPS = {  # (world, stages): (schedule, m, virtual, model) run in one job
+    (2, 2): [("interleaved-1f1b", m, 2, block_chain) for m in (1, 2, 4, 6)]
+    + [("zb-h1", m, 1, block_chain) for m in (1, 3, 4, 6)] + [("1f1b", 4, 1, block_chain)],
+    (4, 4): [("interleaved-1f1b", m, 2, block_chain) for m in (3, 4, 8, 12)]
+    + [("zb-h1", m, 1, block_chain) for m in (2, 4, 8, 12)] + [("1f1b", 8, 1, block_chain)],
+    (4, 2): [("interleaved-1f1b", m, 2, block_chain) for m in (1, 2, 4)]  # × 2 replicas
+    + [("zb-h1", m, 1, block_chain) for m in (2, 3)],
+}
+
+
+@pytest.fixture(scope="module")
+def new_sweeps():
+    return {key: run_on_ranks(_sweep, key[0], key[1], settings, timeout=240)
+            for key, settings in NEW_SWEEPS.items()}
+
+
+@pytest.mark.parametrize("key", list(NEW_SWEEPS))
+def test_interleaved_and_zero_bubble_schedules_match_single_process(new_sweeps, key):
+    ref_state, ref_losses = reference(model_fn=block_chain)
+    world, stages = key
+    for index, setting in enumerate(NEW_SWEEPS[key]):
+        results = [rank[index] for rank in new_sweeps[key]]
+        for replica in range(world // stages):
+            assert_same_params(_merged(results, replica), ref_state, atol=1e-6)
+        if world == stages:
+            for r in results:
+                assert r["losses"] == pytest.approx(ref_losses, abs=1e-6), setting
+
+
+@pytest.mark.parametrize("key", [(2, 2), (4, 4)])
+def test_zero_bubbles_split_backward_gives_the_unsplit_weight_gradients_bitwise(new_sweeps, key):
+    """After the first step, ZB-H1's weight gradients (I, then W later) equal 1F1B's (one B)."""
+    settings = NEW_SWEEPS[key]
+    one_f_one_b = next(i for i, s in enumerate(settings) if s[0] == "1f1b")
+    zero_bubble = next(i for i, s in enumerate(settings) if s[0] == "zb-h1" and s[1] == settings[one_f_one_b][1])
+    for rank in new_sweeps[key]:
+        split, whole = rank[zero_bubble]["grads"], rank[one_f_one_b]["grads"]
+        assert split.keys() == whole.keys()
+        for name in whole:
+            assert torch.equal(split[name], whole[name]), name
+
+
+@pytest.mark.parametrize("key", [(2, 2), (4, 4)])
+def test_new_schedules_run_their_action_lists_and_idle_as_their_theory_says(new_sweeps, key):
+    """Each rank's recorded compute order is its checked action list's; replayed on uniform
+    stages the recorded order idles for the schedule's formula; each rank held at most the
+    activations its list allows; and the recorded times follow the data flow."""
+    from paratrain.parallel.pipeline.actions import COMPUTE
+    from paratrain.parallel.pipeline.schedules import SCHEDULES
+    world, p = key
+    for index, (schedule, m, v, _) in enumerate(NEW_SWEEPS[key]):
+        events = new_sweeps[key][0][index]["events"]
+        for rank, results in enumerate(new_sweeps[key]):
+            mine = [(a.op.value, a.microbatch, a.stage) for a in results[index]["actions"] if a.op in COMPUTE]
+            ran = [(e.kind.value, e.microbatch, e.chunk * p + e.stage) for e in by_stage(events)[rank]]
+            assert ran == mine, (schedule, m, rank)
+            held, most = set(), 0
+            for op, i, k in mine:
+                if op == "F":
+                    held.add((i, k))
+                elif op in ("B", "W"):
+                    held.discard((i, k))
+                most = max(most, len(held))
+            assert peak_in_flight(events)[rank] == most, (schedule, m, rank)
+            links = 2 * v  # one message held per link: each chunk's output and input gradient
+            assert results[index]["most_sends"] <= 3 * links, (schedule, m, rank)
+        formula = SCHEDULES[schedule].bubble(p, v, m)
+        if formula is not None:
+            assert idle_fraction(replay(events)) == pytest.approx(float(formula), abs=1e-12), (schedule, m)
+        end = {(e.chunk * p + e.stage, e.kind.value, e.microbatch): e.end for e in events}
+        for e in events:
+            k = e.chunk * p + e.stage
+            if e.kind is Kind.FORWARD and k > 0:
+                assert e.start >= end[(k - 1, "F", e.microbatch)]
+            if e.kind in (Kind.BACKWARD, Kind.INPUT) and k < p * v - 1:
+                assert e.start >= max(end.get((k + 1, kind, e.microbatch), 0) for kind in ("B", "I"))
+
+
 def _session(topo, stages, schedule, m, accumulate, clip):
-    session = pt.Session(strategy=Pipeline(stages=stages, schedule=schedule, microbatches=m),
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    session = pt.Session(strategy=Pipeline(stages=stages, schedule=schedule, microbatches=m, virtual=virtual),
                          accumulate=accumulate, max_grad_norm=clip, topology=topo, progress_bar=False)
     xs, ys = batches(4)
     loader = DataLoader(TensorDataset(xs.flatten(0, 1), ys.flatten()), shuffle=False,
@@ -213,7 +295,8 @@ def _session_reference(accumulate, clip):
     return model.state_dict()
 
 
-SESSIONS = [(2, "1f1b", 3, 1, None), (2, "gpipe", 2, 2, 0.5), (4, "1f1b", 6, 1, 0.5)]
+SESSIONS = [(2, "1f1b", 3, 1, None), (2, "gpipe", 2, 2, 0.5), (4, "1f1b", 6, 1, 0.5),
+            (2, "interleaved-1f1b", 2, 2, 0.5), (4, "zb-h1", 6, 1, 0.5), (2, "zb-h1", 2, 2, None)]
 
 
 def test_session_trains_a_pipeline_like_one_process():
@@ -443,7 +526,7 @@ def _replica_launch_order(topo):
     strategy = Pipeline(stages=2, schedule="1f1b", microbatches=2)
     model = chain()
     stage, _ = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy.grid(topo))
-    stage._grad_sync.set_reduction(Logged(group=stage.dp_group))
+    stage._grad_syncs[0].set_reduction(Logged(group=stage.dp_group))
 
     def note_middle(module, args, out):
         out.register_hook(lambda grad: log.append("first layer's output gradient"))
@@ -453,7 +536,7 @@ def _replica_launch_order(topo):
     stage.forward_backward(xs[0].chunk(2)[stage.replica_index], ys[0].chunk(2)[stage.replica_index],
                            F.cross_entropy, 1.0)
     log.append("forward_backward returned")
-    return log, len(stage._grad_sync.buckets.buckets)
+    return log, len(stage._grad_syncs[0].buckets.buckets)
 
 
 def test_a_replicated_stage_starts_each_full_buckets_all_reduce_while_backward_continues():
