@@ -4,6 +4,16 @@
 class ParatrainError(Exception):
     """Base class of every error paratrain raises on purpose."""
 
+    # True on an error that another rank's fault can raise here too (a NaN gradient averaged in
+    # from a rank whose loss was NaN): `paratrain run`'s summary then leads with a rank whose error
+    # has a cause of its own (launch/worker.py notes it, debug/postmortem.py reads it)
+    may_echo_another_rank = False
+
+    def echoing(self) -> "ParatrainError":
+        """This error, marked as one that another rank's fault may have caused."""
+        self.may_echo_another_rank = True
+        return self
+
 
 class ConfigError(ParatrainError, ValueError):
     """The arguments or the environment do not describe a job that can run."""

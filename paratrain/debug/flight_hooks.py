@@ -141,16 +141,16 @@ def _wrap(name: str, original):
 
 def _finish(entry, out) -> None:
     """Synchronous: done now. Async (a Work, or batch_isend_irecv's list of them): done when
-    every work's future has completed."""
+    every work's future has completed, failed when one completed with an error."""
     works = [w for w in (out if isinstance(out, list) else [out]) if isinstance(w, dist.Work)]
     if not works:
         entry.done()
         return
     left = [len(works)]
 
-    def one_done(_future) -> None:
+    def one_done(future) -> None:  # on the thread that completes the work (gloo's, NCCL's watchdog)
         left[0] -= 1
-        if not left[0]:
+        if entry.settled(future) and not left[0] and entry.state == "started":
             entry.done()
 
     try:

@@ -13,8 +13,10 @@ each rank was. So every rank keeps its last N operations (PARATRAIN_FLIGHT_RECOR
                 and the standard library, found by walking frames (sys._getframe), not by
                 formatting a traceback: a few microseconds per call
     state       started → completed, or failed (and the error); for async_op=True, completed
-                when its work's future says so (a callback), or for a backend without futures
-                (gloo's send/recv) when the work, weakly held, says so as the ring is written
+                or failed when its work's future says so (a callback: a future that holds an
+                error is a failure, a timeout or a lost peer that DDP's or ZeRO's wait() will
+                raise), or for a backend without futures (gloo's send/recv) when the work,
+                weakly held, says so as the ring is written
 
 The hooks that feed it are in debug/flight_hooks.py; launch/worker.py writes the ring to the launcher's notes
 folder when a rank fails, exits or is stopped, and debug/hang_report.py turns the rings into the
@@ -93,7 +95,8 @@ class Entry:
 
     def current_state(self) -> str:
         """The state, asking the works (weakly held) of a backend without futures (gloo's p2p):
-        'released' when a handle was dropped before anyone saw it complete (usually after wait())."""
+        'released' when a handle was dropped before anyone saw it complete (usually after wait()).
+        Whether such a work failed is not asked: torch deprecates Work.exception() and is_success()."""
         if self.state != "started" or not self.works:
             return self.state
         works = [ref() for ref in self.works]
@@ -101,9 +104,20 @@ class Entry:
             return "released"
         return "completed" if all(w.is_completed() for w in works) else "started"
 
-    def done(self, *_ignored) -> None:
-        """Completed (also a future's done-callback, called with the future)."""
+    def done(self) -> None:
+        """Completed: a synchronous call returned, or every future of an async one succeeded."""
         self.state, self.ended = "completed", time.time()
+
+    def settled(self, future) -> bool:
+        """A done-callback's future: False, and failed, when it completed with an error (a timed-out
+        or lost-peer collective waited on later, by DDP's or ZeRO's step); its error is then the
+        entry's, not "completed"."""
+        try:
+            future.value()
+        except Exception as error:  # what wait() raises on the calling thread: torch's RuntimeError
+            self.failed(error)
+            return False
+        return True
 
     def failed(self, error: BaseException) -> None:
         """Raised: the error's first sentence, without gloo's source location ("[…/pair.cc:553]")."""
@@ -154,6 +168,10 @@ class FlightRecorder:
         entry.failed(error)
         if self.on_failure is not None:
             self.on_failure()
+
+    def any_failed(self) -> bool:
+        """Whether an operation in the ring failed: raised, or its future held an error."""
+        return any(e.state == "failed" for e in list(self.ring))
 
     def snapshot(self, **about) -> dict:
         """What a dump holds: who wrote it, the counters, and the entries oldest first."""

@@ -7,7 +7,8 @@ collective for another that is elsewhere: the waiting rank gives up first (a tim
 So every rank leaves a note (paratrain/launch/worker.py, [Note: last words]): how it ended, and where
 it was when the launcher stopped it. The blame goes, in this order, to
 
-1. a rank that failed on its own: an exception that is not a collective's, or a crash;
+1. a rank that failed on its own: an exception that is not a collective's, or a crash (one whose
+   error another rank's can cause, a NaN gradient where another rank's loss was NaN, comes last);
 2. a rank that exited cleanly (exit code 0) while the others still ran: they failed waiting.
    A rank that ran its script to the end and then crashed as the process exited (gloo can abort
    in teardown while a peer still waits on it) counts here too, not as a failure of its own;
@@ -161,8 +162,10 @@ def summarize(ends: dict[int, RankEnd], first_rank: int) -> tuple[list[str], int
 
 
 def _by_time(ends: list[RankEnd], first_rank: int) -> list[RankEnd]:
-    """The agent's first failure first, then by when each rank failed (its note's time)."""
-    return sorted(ends, key=lambda e: (e.rank != first_rank, e.note.get("time", 0)))
+    """The agent's first failure first, then by when each rank failed (its note's time); an error
+    that another rank's fault can raise (its note's echo: a NaN gradient averaged in from a rank
+    whose loss was NaN, errors.ParatrainError.may_echo_another_rank) after every other."""
+    return sorted(ends, key=lambda e: (bool(e.note.get("echo")), e.rank != first_rank, e.note.get("time", 0)))
 
 
 def _failed(end: RankEnd) -> str:

@@ -22,7 +22,10 @@ by peer" when the other has exited), so the agent's "first failure" is often the
 rank therefore writes a note into PARATRAIN_REPORT_DIR, named by its pid: how it ended ("exit",
 "exception", or "collective" for an exception raised by torch.distributed after a timeout or a
 lost peer) and when. When the launcher stops it with SIGTERM, faulthandler writes where it was
-(`<pid>.stack`). paratrain/debug/postmortem.py reads them to name the rank at fault.
+(`<pid>.stack`). paratrain/debug/postmortem.py reads them to name the rank at fault. A rank whose
+error another rank's fault can raise too (a NaN gradient averaged in from a rank whose loss was
+NaN) notes that (`echo`) and leaves only once the other ranks have noted theirs: exiting first, it
+would have the launcher stop the rank at fault before that rank's note named the cause.
 
 Each rank also writes its flight recorder's ring (`<pid>.ring`, debug/flight_recorder.py): when a
 collective fails, on an uncaught exception, at exit, and on SIGTERM. The last is the hard one: a
@@ -42,6 +45,7 @@ import atexit
 import ctypes
 import faulthandler
 import functools
+import glob
 import json
 import os
 import re
@@ -59,6 +63,8 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # What torch.distributed (gloo, the TCPStore) says when a peer never answers or is gone
 _PEER_LOST = re.compile(r"timed out|timeout|closed by peer|reset by peer|broken pipe|connection refused",
                         re.IGNORECASE)
+# gloo's errors start with their C++ source: "[/…/third_party/gloo/gloo/transport/tcp/pair.cc:553] …"
+_GLOO_SOURCE = re.compile(r"\[[^\]]*/gloo/[^\]]*:\d+\]")
 
 
 def attach(env=os.environ) -> None:
@@ -114,10 +120,13 @@ def _leave_notes(directory: str, env, *, rank: int, attempt: int) -> None:
     def excepthook(exc_type, value, tb):
         if os.getpid() == pid:  # not a forked child, which inherits the hook
             kind = _exception_kind(value, tb)
+            echo = bool(getattr(value, "may_echo_another_rank", False))
             note.update(kind=kind, error=_describe_exception(value, brief=kind == "collective"),
-                        time=time.time())
+                        echo=echo, time=time.time())
             _write(path, note)
             ring()
+            if echo:
+                _let_the_others_speak(directory, note)
         previous(exc_type, value, tb)
 
     def at_exit():
@@ -133,6 +142,31 @@ def _leave_notes(directory: str, env, *, rank: int, attempt: int) -> None:
 
 
 _ends: list = []  # the note's exit, once attached: script_ended() writes it
+ECHO_WAIT = 3.0  # seconds an echoing rank waits for the others' notes before it exits
+
+
+def _let_the_others_speak(directory: str, mine: dict) -> None:
+    """Wait (at most ECHO_WAIT s) until every other rank of this node has left its note, or its
+    note says it is no longer running. An error that another rank's fault can raise here too (a
+    NaN gradient averaged in from a rank whose loss was NaN) must not exit first: the launcher
+    would stop the rank at fault before it noted its own error, and the summary would blame the
+    echo. Both ranks raise at the same step, so the wait is a few milliseconds."""
+    deadline = time.monotonic() + ECHO_WAIT
+    local_world = _int_or_none(os.environ.get("LOCAL_WORLD_SIZE")) or 1
+    while time.monotonic() < deadline:
+        notes = [n for n in map(_read_note, glob.glob(os.path.join(directory, "*.json")))
+                 if n and n.get("attempt") == mine["attempt"] and n.get("pid") != mine["pid"]]
+        if len(notes) >= local_world - 1 and all(n.get("kind") != "running" for n in notes):
+            return
+        time.sleep(0.02)
+
+
+def _read_note(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def script_ended() -> None:
@@ -224,8 +258,12 @@ def _dump_stack_on_sigterm(path: str) -> None:
 
 
 def _exception_kind(value: BaseException, tb) -> str:
-    """'collective' when torch.distributed raised it about a peer that never answered or is gone."""
+    """'collective' when torch.distributed raised it about a peer that never answered or is gone:
+    also from a work's wait() in paratrain's own code (DDP's buckets, ZeRO's gathers), where no
+    frame is torch's: gloo names itself in the message's source location, or (its later works:
+    "Application timeout caused pair closure") the flight recorder saw a work fail."""
     in_dist = type(value).__module__.startswith("torch.distributed")  # DistStoreError, DistBackendError
+    in_dist = in_dist or _GLOO_SOURCE.match(str(value)) is not None or flight_recorder.RECORDER.any_failed()
     while tb is not None and not in_dist:
         in_dist = f"{os.sep}torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
         tb = tb.tb_next

@@ -182,14 +182,14 @@ class DeviceCheck:
             event.synchronize()
         if flag.item():
             step = losses.items[-1][1] // losses.accumulate if losses.items else "?"
-            raise losses.error() or UsageError(
+            raise losses.error() or UsageError(  # averaged gradients may carry another rank's NaN loss
                 f"a gradient was NaN or infinite at optimizer step {step} although the loss was finite; the "
                 "fused optimizer skipped that step on the device, so the parameters and the optimizer's state "
                 "are as they were before it, and no checkpoint will hold it. The check ran on the device and "
                 "was read a step later, when the gradients were gone: an optimizer without fused=True has the "
                 "check name the parameters. Lower the learning rate, clip gradients (Session(max_grad_norm="
                 "...)), look for a division by zero or a log of 0 in the model, or pass "
-                "Session(nan_check=False) to go on regardless.")
+                "Session(nan_check=False) to go on regardless.").echoing()
 
 
 def host_copy(value: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -251,7 +251,8 @@ def _non_finite(model: ParallelModule, what: str, losses: LossLog | None) -> Usa
     where = f": {', '.join(names[:5])} on this rank" if names else " (on another rank's share)"
     peers = (" Gradients are averaged over ranks: another rank's error may name a non-finite loss as the "
              "cause.") if model.replicas > 1 else ""
-    return UsageError(f"a {what} is NaN or infinite although the loss was finite{where}; the optimizer "
-                      "did not step, the step's gradients were dropped and no checkpoint will hold it. Lower "
-                      "the learning rate, clip gradients (Session(max_grad_norm=...)), look for a division by "
-                      f"zero or a log of 0 in the model, or pass Session(nan_check=False) to go on regardless.{peers}")
+    error = UsageError(f"a {what} is NaN or infinite although the loss was finite{where}; the optimizer "
+                       "did not step, the step's gradients were dropped and no checkpoint will hold it. Lower "
+                       "the learning rate, clip gradients (Session(max_grad_norm=...)), look for a division by "
+                       f"zero or a log of 0 in the model, or pass Session(nan_check=False) to go on regardless.{peers}")
+    return error.echoing() if model.replicas > 1 else error

@@ -164,3 +164,21 @@ def _compiled(topo):
 def test_compiled_code_traces_torchs_own_collective():
     out, recorded = run_on_ranks(_compiled, 1, timeout=120)[0]
     assert torch.equal(out, torch.full((3,), 3.0)) and recorded == 0  # not covered, and not in the way
+
+
+def test_an_async_collective_whose_future_fails_is_recorded_failed_not_completed():
+    """DDP's and ZeRO's async all-reduces and gathers end by their works' futures (a done-callback,
+    flight_hooks._finish): one that holds an error (a gloo timeout, a lost peer) is the
+    operation's failure, with the error's first sentence. (A real gloo timeout's ring:
+    tests/debug/test_hang_report.py's Session scenarios.)"""
+    ring = FlightRecorder(capacity=4)
+    failed, completed = (ring.start("all_reduce", (0, 1), [], 0, None, None) for _ in range(2))
+    future = torch.futures.Future()
+    future.set_exception(RuntimeError("[/src/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                                      "Timed out waiting 5000ms for recv operation to complete. More."))
+    assert not failed.settled(future)
+    assert (failed.state, failed.error) == ("failed", "RuntimeError: Timed out waiting 5000ms for recv "
+                                                      "operation to complete.")
+    future = torch.futures.Future()
+    future.set_result([torch.ones(1)])
+    assert completed.settled(future) and completed.state == "started"  # done once every work is

@@ -142,3 +142,80 @@ def test_report_compares_what_both_rings_still_hold_and_names_a_shape_mismatch()
                          "all_reduce(float32[4]) at /job/train.py:9 (in step); rank 1 called all_reduce(float32[5]) "
                          "at /job/train.py:9 (in step)")
     assert hang_report.describe({}) == []
+
+
+# A Session trains in lock step, and rank 1 goes wrong at step 3: it sleeps (rank 0 times out in
+# the step's collective), it leaves the loop (`break`), or its stream, sharding itself by rank
+# where the Session shards it again, runs out a step before rank 0's. The collectives are the
+# strategies' own async ones (DDP's buckets, ZeRO-3's gathers), waited on inside the step.
+SESSION = textwrap.dedent("""\
+    import itertools, sys, time
+    import torch, torch.nn.functional as F, torch.distributed as dist
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+    import paratrain as pt
+
+    strategy, mode, parted = sys.argv[1], sys.argv[2], sys.argv[3]
+
+
+    class Stream(IterableDataset):  # shards itself: 18 rows for rank 0, 17 for rank 1
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            rows = [(torch.randn(8, generator=g), i % 2) for i in range(35)]
+            return itertools.islice(rows, dist.get_rank(), None, dist.get_world_size())
+
+
+    session = pt.Session(strategy, progress_bar=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
+    loader = DataLoader(Stream(), batch_size=4) if mode == "stream" else DataLoader(data, batch_size=8)
+    model, opt, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+    rank = session.topology.rank
+    for step, batch in enumerate(loader):
+        if step == 3 or (mode == "stream" and step == 4):
+            open(f"{parted}{rank}", "w").write(repr(time.time()))
+        if mode == "sleep" and rank == 1 and step == 3:
+            time.sleep(120)  # SLEEP
+        if mode == "break" and rank == 1 and step == 3:
+            break
+        session.train_step(batch, F.cross_entropy)  # STEP
+    """)
+
+
+def _session_report(tmp_path, strategy: str, mode: str) -> list[str]:
+    (tmp_path / "session.py").write_text(SESSION)
+    proc = paratrain("run", "-n", "2", "--timeout", str(TIMEOUT), "session.py", strategy, mode,
+                     str(tmp_path / "parted"), cwd=tmp_path, timeout=90)
+    ended = time.time()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    took = ended - min(float(p.read_text()) for p in tmp_path.glob("parted*"))
+    assert took < TIMEOUT + 10, f"the job ran {took:.1f} s after the ranks parted"
+    return [line.removeprefix("paratrain run: ") for line in proc.stderr.splitlines()
+            if line.startswith("paratrain run: ")]
+
+
+def _session_line(marker: str) -> int:
+    return next(i for i, text in enumerate(SESSION.splitlines(), 1) if f"# {marker}" in text)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_session_rank_that_sleeps_in_step_3_is_named_not_the_rank_that_waited(tmp_path, strategy):
+    report = _session_report(tmp_path, strategy, "sleep")
+    assert report[0] == ("rank 1 never reached the collective that rank 0 was waiting in: when the launcher "
+                         f"stopped it, rank 1 was at session.py:{_session_line('SLEEP')} (in <module>)"), report
+    assert report[1].startswith("rank 0 gave up waiting in a collective (exit code 1, pid "), report
+    # the step's collective that timed out is recorded as failed, not completed
+    at = f"session.py:{_session_line('STEP')} (in <module>)"
+    assert any(line.startswith("  rank 0 gave up in #") and at in line and "Timed out" in line for line in report), report
+    assert any(line.startswith("  rank 1 is in no collective; its last was #") and line.endswith(", completed")
+               for line in report), report
+
+
+@pytest.mark.parametrize("strategy, mode", [("ddp", "break"), ("zero3", "break"), ("ddp", "stream")])
+def test_a_session_rank_that_stops_early_is_named_as_having_exited(tmp_path, strategy, mode):
+    report = _session_report(tmp_path, strategy, mode)
+    assert report[0].startswith("rank 1 exited cleanly (exit code 0) at "), report
+    assert report[0].endswith(" while rank 0 was still training; the others then failed waiting for it"), report
+    assert report[1].startswith("rank 0 gave up waiting in a collective (exit code 1, pid "), report
+    assert any(line.startswith("  rank 0 gave up in #") for line in report), report

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from paratrain.debug import postmortem
+from paratrain.launch import worker
 from tests.support.launcher import paratrain, running, start, wait_for
 
 # Writes its pid, then (second argument "gate") waits for a file before importing paratrain, so
@@ -282,3 +283,75 @@ def test_a_rank_stopped_while_still_waiting_for_one_that_finished_early_is_its_v
                                "process exited) at "), lines
     assert lines[0].endswith("while rank 0 was still training; the others then failed waiting for it")
     assert lines[1] == "rank 0 was waiting in all_reduce when the launcher stopped it" and status == 1
+
+
+# Rank 1's loss turns NaN at step 2; averaged over the ranks, its gradients turn rank 0's NaN too,
+# so both ranks raise at that step: rank 1 the loss's error, rank 0 "a gradient is NaN … although
+# the loss was finite" (an error that may echo another rank's).
+NAN_LOSS = textwrap.dedent("""
+    import sys
+    import torch, torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+    import paratrain as pt
+
+    session = pt.Session(sys.argv[1], progress_bar=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
+    model, opt, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=8))
+    for step, (x, y) in enumerate(loader):
+        if session.topology.rank == 1 and step == 2:
+            x = x * float("nan")
+        session.train_step((x, y), F.cross_entropy)
+""")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_the_rank_whose_loss_was_nan_leads_the_summary(tmp_path, monkeypatch, strategy):
+    monkeypatch.delenv("PARATRAIN_DEBUG_COLLECTIVES", raising=False)
+    (tmp_path / "nan_loss.py").write_text(NAN_LOSS)
+    proc = paratrain("run", "-n", "2", "--timeout", "5", "nan_loss.py", strategy, cwd=tmp_path, timeout=90)
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("paratrain run:")]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    # (exit code 1, or a signal that reached its teardown: the launcher stops it as rank 0 exits)
+    assert summary[0].startswith("paratrain run: rank 1 failed ("), summary
+    assert "UsageError: the loss is nan at optimizer step 2 (micro-batch 2, epoch 0) on rank 1" in summary[0]
+    assert summary[1].startswith("paratrain run: also failed: rank 0 with UsageError: a gradient is NaN or "
+                                 "infinite although the loss was finite"), summary
+    assert not any("rank 0 failed" in line for line in summary), summary
+
+
+def test_an_error_that_may_echo_another_ranks_comes_after_one_with_a_cause_of_its_own():
+    """The agent's first failure and the earliest note are rank 0's NaN gradient; rank 1's NaN
+    loss, noted later, is the cause."""
+    ends = {0: postmortem.RankEnd(0, 1, 100, dict(kind="exception", time=1.0, echo=True,
+                                                  error="UsageError: a gradient is NaN"), ""),
+            1: _end(1, 1, "exception", t=2.0, error="UsageError: the loss is nan")}
+    lines, status = postmortem.summarize(ends, first_rank=0)
+    assert lines == ["rank 1 failed (exit code 1, pid 101): UsageError: the loss is nan; see its output above",
+                     "also failed: rank 0 with UsageError: a gradient is NaN (exit code 1)"]
+    assert status == 1
+
+
+def test_an_echoing_rank_waits_for_the_others_notes_before_it_exits(tmp_path, monkeypatch):
+    """Rank 0 raised an error that may echo rank 1's: it leaves only once rank 1's note says it
+    stopped running (here 0.3 s later), or after ECHO_WAIT seconds without one."""
+    import threading
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    mine = dict(rank=0, attempt=0, pid=100, kind="exception")
+    other = tmp_path / "101.json"
+    other.write_text(json.dumps(dict(rank=1, attempt=0, pid=101, kind="running")))
+    later = threading.Timer(0.3, lambda: other.write_text(json.dumps(dict(rank=1, attempt=0, pid=101,
+                                                                            kind="exception"))))
+    later.start()
+    began = time.monotonic()
+    worker._let_the_others_speak(str(tmp_path), mine)
+    assert 0.25 < time.monotonic() - began < worker.ECHO_WAIT
+    later.join()
+    other.write_text(json.dumps(dict(rank=1, attempt=0, pid=101, kind="running")))
+    monkeypatch.setattr(worker, "ECHO_WAIT", 0.2)
+    began = time.monotonic()
+    worker._let_the_others_speak(str(tmp_path), mine)  # rank 1 never stops: bounded
+    assert 0.2 <= time.monotonic() - began < 2
