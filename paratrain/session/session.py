@@ -148,6 +148,8 @@ class Session(JobFacts, SessionCheckpoints):
             raise ConfigError(f"setup(..., init={init!r}) initialises a model built on the meta device; this one "
                               f"holds real tensors already: call model.{init}() yourself before setup, or build "
                               "the model under torch.device('meta')")
+        if isinstance(model, nn.Module):
+            refuse_sync_batchnorm_off_gpu(uncompiled(model), self.device)
         self.given = describe(model, optimizer)
         self._label_shift = label_shift(uncompiled(model))  # what weight="tokens" counts (data/batch.py)
         if self._verify is not None:
@@ -307,3 +309,17 @@ class Session(JobFacts, SessionCheckpoints):
             raise UsageError("call session.setup(model, optimizer, loader) before training")
         return self.model
 
+
+def refuse_sync_batchnorm_off_gpu(model: nn.Module, device: torch.device) -> None:
+    """torch's nn.SyncBatchNorm raises at its first training forward on a CPU tensor whenever a
+    process group exists ("expected input tensor to be on GPU", torch/nn/modules/batchnorm.py):
+    refused at setup instead, with what to use (docs/strategies/ddp.md, "BatchNorm")."""
+    if device.type not in ("cpu", "mps"):
+        return
+    synced = [name or type(model).__name__ for name, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if synced:
+        raise ConfigError(f"{', '.join(synced[:3])}{' …' if len(synced) > 3 else ''} "
+                          f"{'is a' if len(synced) == 1 else 'are'} torch.nn.SyncBatchNorm, which runs on GPUs only "
+                          f"(this job's device is {device.type}): keep nn.BatchNorm on the CPU (each rank normalises "
+                          "with its own batch's statistics; the running statistics are rank 0's, broadcast as DDP "
+                          "does), or train on GPUs with the nccl backend")
