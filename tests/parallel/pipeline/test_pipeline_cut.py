@@ -69,7 +69,13 @@ CASES = [
     ("gpt", 4, 4, "gpipe", ("blocks.1", "blocks.2", "blocks.3")), ("gpt", 4, 2, "1f1b", None),
     ("gpt", 4, 2, "gpipe", ("blocks.2",)), ("example gpt", 2, 2, "gpipe", None),
     ("example gpt", 4, 4, "1f1b", None), ("example gpt", 4, 2, "gpipe", None),
+    # interleaved (2 chunks per rank: the tied embedding on rank 0, the head on the last chunk of
+    # rank 1) and zero-bubble
+    ("tied chain", 2, 2, "zb-h1", None), ("gpt", 2, 2, "interleaved-1f1b", None),
+    ("gpt", 4, 2, "interleaved-1f1b", ("blocks.1", "blocks.2", "blocks.3")), ("gpt", 4, 4, "zb-h1", None),
+    ("example gpt", 2, 2, "interleaved-1f1b", None), ("example gpt", 4, 2, "zb-h1", None),
 ]
+VIRTUAL = {"interleaved-1f1b": 2}
 MODELS = {"tied chain": (_tied_chain, batches, F.cross_entropy),
           "gpt": (tiny_gpt, token_batches, next_token_loss),
           "example gpt": (_example_gpt, token_batches, next_token_loss)}
@@ -79,7 +85,8 @@ MODELS = {"tied chain": (_tied_chain, batches, F.cross_entropy),
 def test_a_model_cut_at_named_blocks_with_tied_weights_equals_one_process(name, world, stages, schedule, split_at):
     make, data, loss_fn = MODELS[name]
     layers = "blocks" if "gpt" in name else None
-    strategy = Pipeline(stages=stages, schedule=schedule, microbatches=4, layers=layers, split_at=split_at)
+    strategy = Pipeline(stages=stages, schedule=schedule, microbatches=4, layers=layers, split_at=split_at,
+                        virtual=VIRTUAL.get(schedule, 1))
     expected = _reference(make, data(), loss_fn)
     for state in run_on_ranks(_train, world, make, data(), loss_fn, strategy):
         assert state.keys() == expected.keys()  # the tied weight under both its names, as one process has it
@@ -160,9 +167,10 @@ def _pair_model():
     return PairModel()
 
 
-def test_tuple_activations_cross_stages():
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1"])
+def test_tuple_activations_cross_stages(schedule):
     expected = _reference(_pair_model, batches(), F.cross_entropy)
-    strategy = Pipeline(stages=2, layers="blocks", microbatches=2)
+    strategy = Pipeline(stages=2, layers="blocks", microbatches=2, schedule=schedule, virtual=VIRTUAL.get(schedule, 1))
     for state in run_on_ranks(_train, 2, _pair_model, batches(), F.cross_entropy, strategy):
         assert max_param_diff(state, expected) < 1e-6
 
@@ -187,12 +195,12 @@ class _Logits(nn.Module):
         return self.model(x).logits
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_transformers_gpt2_trains_on_stages(world):
+@pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (4, "1f1b"), (2, "interleaved-1f1b"), (4, "zb-h1")])
+def test_transformers_gpt2_trains_on_stages(world, schedule):
     pytest.importorskip("transformers")
     expected = {k.removeprefix("model."): v for k, v in _reference(_Logits, token_batches(), next_token_loss).items()}
-    for state in run_on_ranks(_train, world, _gpt2, token_batches(), next_token_loss, Pipeline(stages=2),
-                              timeout=300):
+    strategy = Pipeline(stages=2, schedule=schedule, virtual=VIRTUAL.get(schedule, 1))
+    for state in run_on_ranks(_train, world, _gpt2, token_batches(), next_token_loss, strategy, timeout=300):
         assert max_param_diff({k: state[k] for k in expected}, expected) < 1e-6
 
 
