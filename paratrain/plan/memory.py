@@ -85,6 +85,7 @@ from paratrain.parallel.buckets import buffer_numel
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.hierarchical import Hierarchical
 from paratrain.parallel.pipeline import Pipeline
+from paratrain.parallel.pipeline.check import peak_alive
 from paratrain.parallel.single import Single
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
@@ -305,12 +306,13 @@ def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
     else:
         saved, rest = [m.activation_bytes / strategy.stages] * strategy.stages, 0
     stages = []
+    alive = peak_alive(strategy.action_lists())  # per rank, in chunks of 1/virtual of its stage
     for s, held in enumerate(holdings):
         params = list({id(p): p for p in held}.values())
         trainable = [p for p in params if p.requires_grad]
         grads = sum(buffer_numel(b, 1) * b[0].dtype.itemsize for b in stage_layout(trainable))
         micro = strategy.microbatches
-        in_flight = micro if strategy.schedule == "gpipe" else min(micro, strategy.stages - s)
+        in_flight = alive[s] / strategy.virtual  # GPipe m, 1F1B min(m, p - s) (schedules.py)
         extra = rest if s == strategy.stages - 1 else 0
         activations = round((saved[s] * in_flight + extra) / (replicas * micro * m.accumulate))
         plain = _plain(m.state, params, activations, m.foreach)

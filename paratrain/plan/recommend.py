@@ -24,6 +24,7 @@ from paratrain.parallel.base import Strategy
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.hierarchical import Hierarchical
 from paratrain.parallel.pipeline import Pipeline
+from paratrain.parallel.pipeline.check import bubble_slots
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
 from paratrain.plan import step_time, tensor_parallel
@@ -179,7 +180,9 @@ def _collectives(strategy: Strategy, compute: step_time.Compute, *, sent, cluste
                                   microbatches=strategy.microbatches, cut_bytes=cut,
                                   replicas_group=Group(replicas if sync else 1), stage_bucket_bytes=sizes,
                                   stage_bucket_elements=elements, cluster=cluster, same_node=nodes == 1,
-                                  shares=shares[0] if shares is not None else None)
+                                  shares=shares[0] if shares is not None else None,
+                                  bubble_slots=float(bubble_slots(strategy.action_lists(), strategy.stages)),
+                                  virtual=strategy.virtual)
     share = compute.share(1 / gpus)
     scatter = cluster.backend != "gloo"  # zero/collectives.py: what measured faster on each backend
     if isinstance(strategy, ZeRO) and strategy.stage == 3:
@@ -206,7 +209,8 @@ def _speed(seconds: step_time.StepTime, facts: ModelFacts, cluster: Cluster, gpu
 def session_line(strategy: Strategy, step: StepCount, precision: str = "32", accumulate: int = 1) -> str:
     """The `pt.Session(...)` that runs `strategy` as planned."""
     if isinstance(strategy, Pipeline):
-        name = (f"pt.Pipeline(stages={strategy.stages}, schedule={strategy.schedule!r}, "
+        virtual = f", virtual={strategy.virtual}" if strategy.virtual > 1 else ""
+        name = (f"pt.Pipeline(stages={strategy.stages}, schedule={strategy.schedule!r}{virtual}, "
                 f"microbatches={strategy.microbatches})")
     elif isinstance(strategy, Mesh):
         name = f"pt.Mesh(tp={strategy.tp}, dp={strategy.data_parallel().name!r})"

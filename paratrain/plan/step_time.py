@@ -275,15 +275,19 @@ def zero3(compute: Compute, unit_elements: list[int], unit_bytes: list[int], gra
 
 def pipeline(compute: Compute, *, stages: int, microbatches: int, cut_bytes: int, replicas_group: Group,
              stage_bucket_bytes: list[int], stage_bucket_elements: list[int], cluster: Cluster,
-             same_node: bool = True, shares: list[float] | None = None) -> StepTime:
+             same_node: bool = True, shares: list[float] | None = None, bubble_slots: float | None = None,
+             virtual: int = 1) -> StepTime:
     """A pipeline of `stages` stages, `microbatches` each; `compute` is one replica's batch over
     the whole model, `cut_bytes` the activation one cut sends for that batch, `shares` each
     stage's part of the compute (block_regions.stage_shares; None: equal). The slowest stage
     sets the pace: one micro-batch passes every stage once, then the other m − 1 follow at the
     slowest stage's slot, m·slowest + Σ(other stages' slots), of which the others are bubble
-    (equal stages: (m + p − 1) slots, p − 1 of them bubble)."""
+    (equal stages: (m + p − 1) slots, p − 1 of them bubble). Another schedule idles for
+    `bubble_slots` slots of a stage instead of p − 1 (check.bubble_slots: interleaved (p − 1)/v,
+    ZB-H1 (p − 1)/3), and with `virtual` chunks each micro-batch crosses v times as many cuts."""
     slots = [compute.share(share / microbatches) for share in shares or [1.0 / stages] * stages]
     message = comm_model.send_recv(cut_bytes / microbatches, cluster, same_node=same_node) if stages > 1 else 0.0
+    message *= virtual
     per_slot = [slot.forward + slot.backward + 2 * message for slot in slots]
     slowest = max(range(stages), key=lambda s: per_slot[s])
     busy = microbatches * (slots[slowest].forward + slots[slowest].backward)
@@ -292,5 +296,8 @@ def pipeline(compute: Compute, *, stages: int, microbatches: int, cut_bytes: int
         reduced = bucket_overlap(slots[slowest].backward, stage_bucket_elements, times)
     else:
         times, reduced = [], 0.0
-    return StepTime(busy, microbatches * 2 * message + reduced, bubble=sum(per_slot) - per_slot[slowest],
+    bubble = sum(per_slot) - per_slot[slowest]
+    if bubble_slots is not None and stages > 1:
+        bubble *= bubble_slots / (stages - 1)
+    return StepTime(busy, microbatches * 2 * message + reduced, bubble=bubble,
                     comm=microbatches * 2 * message + sum(times))

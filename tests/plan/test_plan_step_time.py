@@ -115,6 +115,27 @@ def test_a_pipeline_step_is_m_plus_p_minus_one_slots():
     assert step.compute == 12.0 and step.bubble == 3.0 and step.total == (4 + 2 - 1) * 3.0
 
 
+@pytest.mark.parametrize("schedule,virtual,slots", [("1f1b", 1, 3), ("gpipe", 1, 3), ("interleaved-1f1b", 2, 1.5),
+                                                     ("zb-h1", 1, 1)])
+def test_each_schedule_idles_for_its_own_slots(schedule, virtual, slots):
+    """p = 4, m = 8 on uniform stages: 1F1B's p − 1 idle slots, interleaved's (p − 1)/v, ZB-H1's
+    (p − 1)/3, from the checked action lists (check.bubble_slots); the planner scales the bubble by
+    them, and a rank holds the activations its list keeps alive."""
+    from paratrain.parallel.pipeline import Pipeline
+    from paratrain.parallel.pipeline.check import bubble_slots, peak_alive
+
+    strategy = Pipeline(stages=4, schedule=schedule, microbatches=8, virtual=virtual)
+    assert bubble_slots(strategy.action_lists(), 4) == slots
+    compute = st.Compute(32.0, 64.0)  # a slot is 1 s forward and 2 s backward per stage per micro-batch
+    step = st.pipeline(compute, stages=4, microbatches=8, cut_bytes=0, replicas_group=Group(1),
+                       stage_bucket_bytes=[], stage_bucket_elements=[], cluster=cluster(), bubble_slots=slots,
+                       virtual=virtual)
+    assert step.compute == 24.0 and step.bubble == pytest.approx(3.0 * slots)
+    alive = peak_alive(strategy.action_lists())
+    assert {"1f1b": alive == [4, 3, 2, 1], "gpipe": alive == [8] * 4, "zb-h1": alive == [4] * 4,
+            "interleaved-1f1b": alive == [11, 9, 7, 5]}[schedule], alive
+
+
 def test_unequal_pipeline_stages_run_at_the_slowest_ones_pace():
     """Shares 1/4 and 3/4 (a GPT's head on the last stage): slots of 1.5 s and 4.5 s. The
     slowest stage runs all 4 micro-batches (18 s); the other's one slot is the bubble."""

@@ -260,3 +260,30 @@ def idle_fraction(timed: list[Timed], p: int) -> Fraction:
     """Share of rank-time not computing, from the first start to the last end."""
     span = max(t.end for t in timed) - min(t.start for t in timed)
     return 1 - sum(t.end - t.start for t in timed) / (p * span)
+
+
+def peak_alive(lists: list[list[Action]]) -> list[int]:
+    """Per rank, the most (micro-batch, stage) pairs whose forward has run and whose weight
+    gradient has not (B, or W): the activations it holds at its peak, in chunks."""
+    peaks = []
+    for actions in lists:
+        alive: set[tuple[int, int]] = set()
+        most = 0
+        for a in actions:
+            if a.op is Op.F:
+                alive.add((a.microbatch, a.stage))
+            elif a.op in (Op.B, Op.W):
+                alive.discard((a.microbatch, a.stage))
+            most = max(most, len(alive))
+        peaks.append(most)
+    return peaks
+
+
+def bubble_slots(lists: list[list[Action]], p: int) -> Fraction:
+    """A rank's idle time on uniform stages, in slots of one whole stage's forward and backward
+    (1F1B and GPipe: p - 1; interleaved: (p - 1) / v; ZB-H1: (p - 1) / 3, for m >= p)."""
+    timed = replay(lists, p)
+    span = max(t.end for t in timed) - min(t.start for t in timed)
+    busy = sum(t.end - t.start for t in timed) / p
+    v = len({t.action.stage for t in timed}) // p  # chunks per rank: a stage's slot is v chunks' F + B
+    return (span - busy) / (v * (COSTS[Op.F] + COSTS[Op.B]))

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.parallel.pipeline.cut import Cut, blocks_of, held, parts, prune, spans_at
+from paratrain.parallel.pipeline.cut import Cut, blocks_of, held, named_blocks, parts, prune, spans_at
 from paratrain.parallel.pipeline.partition import boundaries, split_model
 
 
@@ -49,7 +49,7 @@ def plan_cut(model: nn.Module, stages: int, cut: Cut, split_at: Sequence[str] | 
     the blocks on the first stage, after them on the last."""
     blocks = blocks_of(model, cut.layers)
     if split_at is not None:
-        spans = spans_at(cut.layers, len(blocks), stages, split_at)
+        spans = spans_at(cut.layers, [k for k, _ in named_blocks(model, cut.layers)], stages, split_at)
     else:
         spans = _balanced(blocks, stages, balance, cut.layers)
     before, after = parts(model, cut)

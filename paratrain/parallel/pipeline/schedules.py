@@ -10,8 +10,9 @@ each), the schedules leave each rank idle for these fractions of the step:
     interleaved-1f1b    (p-1) / (v·m + p - 1)        the same paper, section 2.2.2 (m a multiple of p)
     zb-h1               (p-1) / (3m + p - 1)         Qi et al. 2023, section 3.1: (p-1)(F+I-W) idle
 
-and hold at most these micro-batches' activations on a rank: GPipe m, 1F1B and zb-h1 p, and
-interleaved 1F1B (v-1)·p/… chunks, each 1/v of a stage, about (1 + (p-1)/(v·p)) · p stages' worth.
+and hold at most these micro-batches' activations on rank r: GPipe m, 1F1B min(m, p - r), zb-h1
+min(m, p), and interleaved 1F1B (v-1)·p + 2(p-1-r) + 1 chunks of 1/v of a stage each (for m a
+multiple of p): more than 1F1B, the price of its smaller bubble (check.peak_alive counts them).
 """
 
 from __future__ import annotations

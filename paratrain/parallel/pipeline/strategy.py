@@ -28,7 +28,9 @@ from paratrain.distributed.grid import ProcessGrid
 from paratrain.distributed.topology import Topology
 from paratrain.errors import ConfigError
 from paratrain.parallel.base import Strategy, uncompiled
+from paratrain.parallel.pipeline.actions import Action, with_comm
 from paratrain.parallel.pipeline.adapters import cut_for
+from paratrain.parallel.pipeline.check import check
 from paratrain.parallel.pipeline.cut import Cut
 from paratrain.parallel.pipeline.partition import BALANCES, layer_costs
 from paratrain.parallel.pipeline.plan import StagePlan, plan_cut, plan_sequential
@@ -48,7 +50,7 @@ class Pipeline(Strategy):
     virtual: int = 1  # chunks per rank (interleaved-1f1b): the model is cut into stages × virtual
     balance: str = "layers"  # cut an nn.Sequential by "layers", "params" or measured "time"
     sample: Any = None  # balance="time" only: an input batch, or a function that returns one
-    layers: str | None = None  # another model: the nn.ModuleList of blocks to cut (cut.py)
+    layers: str | None = None  # another model: the nn.ModuleList or nn.ModuleDict of blocks to cut (cut.py)
     split_at: tuple[str, ...] | None = None  # the blocks where stages 1 … S-1 begin, e.g. ("blocks.2",)
     cut: Cut | None = None  # how to run that model's parts; default: its pipeline_embed/_head
 
@@ -103,6 +105,13 @@ class Pipeline(Strategy):
                               loss=plan.loss, virtual=self.virtual, chunk_params=chunk_params,
                               ordered_pairs=grid.topology.backend == "nccl")
         return stage, stage_optimizer(optimizer, module) if optimizer is not None else None
+
+    def action_lists(self) -> list[list[Action]]:
+        """Each rank's checked action list for one step (actions.py, check.py)."""
+        lists = with_comm(SCHEDULES[self.schedule].order(self.stages, self.virtual, self.microbatches),
+                          self.stages, self.virtual)
+        check(lists, self.stages, self.virtual, self.microbatches, name=self.schedule)
+        return lists
 
     def holdings(self, model: nn.Module) -> list[list[nn.Parameter]]:
         """Each stage's parameters (with `virtual`, all its chunks'), as setup() cuts `model`
