@@ -9,7 +9,7 @@ of activations the stage held afterwards. From these events:
 - `idle_fraction(events)`: the bubble, 1 - busy / (stages × makespan), from the recorded times;
 - `replay(events)`: the same per-rank order of actions, re-timed as if every forward took 1 unit
   and every backward 2 (I and W 1 each) on every stage, each action starting when its rank is free
-  and its input has arrived (check.replay). This gives the bubble of the *schedule* on uniform
+  and its input has arrived (check.replay); with v chunks per rank each costs 1/v. This gives the bubble of the *schedule* on uniform
   stages, free of the noise of a shared machine, and it fails if the recorded order could
   deadlock. `replay(events, measured=True)` keeps each
   action's recorded duration: the fastest run of the recorded order with those durations, so its
@@ -56,7 +56,7 @@ class Event:
     chunk: int = 0  # which of the rank's chunks: virtual stage chunk · stages + stage
 
 
-COLOURS = {Kind.FORWARD: "#9ecae1", Kind.BACKWARD: "#3182bd", Kind.INPUT: "#3182bd", Kind.WEIGHT: "#08519c"}
+COLOURS = {Kind.FORWARD: "#9ecae1", Kind.BACKWARD: "#3182bd", Kind.INPUT: "#6baed6", Kind.WEIGHT: "#08519c"}
 
 
 def by_stage(events: Sequence[Event]) -> dict[int, list[Event]]:
@@ -88,7 +88,8 @@ def replay(events: Sequence[Event], forward_cost: float = 1.0, backward_cost: fl
     ranks = by_stage(events)
     p = len(ranks)
     lists = [[Action(Op(e.kind.value), e.microbatch, e.chunk * p + e.stage) for e in ranks[s]] for s in sorted(ranks)]
-    costs = {Op.F: forward_cost, Op.B: backward_cost, Op.I: backward_cost / 2, Op.W: backward_cost / 2}
+    v = len({e.chunk for e in events})  # a chunk is 1/v of a rank's stage: its work costs 1/v
+    costs = {Op.F: forward_cost / v, Op.B: backward_cost / v, Op.I: backward_cost / 2 / v, Op.W: backward_cost / 2 / v}
     duration = (lambda r, j: ranks[r][j].end - ranks[r][j].start) if measured else None
     timed = check.replay(lists, p, costs, duration=duration)
     return [replace(ranks[t.rank][t.index], start=float(t.start), end=float(t.end)) for t in timed]
@@ -130,6 +131,6 @@ def _draw_panel(ax, events: Sequence[Event], title: str) -> None:
                     hatch="//" if e.chunk % 2 else None)
             ax.text((e.start + e.end) / 2 - origin, s, str(e.microbatch), ha="center", va="center",
                     fontsize=7, color="black" if light else "white")
-    ax.set_yticks(list(stages), [f"stage {s}" for s in stages])
+    ax.set_yticks(list(stages), [f"rank {s}" for s in stages])
     ax.invert_yaxis()
     ax.set_title(title, fontsize=10)

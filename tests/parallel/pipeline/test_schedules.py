@@ -157,3 +157,13 @@ def test_settings_the_schedules_cannot_run_are_refused_with_what_to_pass():
         Pipeline(stages=1, virtual=2, schedule="interleaved-1f1b")
     with pytest.raises(ConfigError, match="unknown pipeline schedule 'zbv'"):
         Pipeline(stages=2, schedule="zbv")
+
+
+def test_on_nccl_the_lists_must_also_keep_each_pairs_order():
+    """NCCL ignores p2p tags: messages between two ranks meet their receives in the order sent.
+    GPipe, 1F1B and ZB-H1 keep that order; interleaved 1F1B's lists do not, and are refused."""
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        for p, m in ((2, 4), (4, 8), (3, 5)):
+            check(lists_of(name, p, 1, m), p, 1, m, ordered_pairs=True)
+    with pytest.raises(ScheduleError, match="in another order than they are sent, which NCCL"):
+        check(lists_of("interleaved-1f1b", 2, 2, 4), 2, 2, 4, ordered_pairs=True)
