@@ -10,6 +10,7 @@ from paratrain.errors import ConfigError
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.pipeline.actions import Action, Op, with_comm
 from paratrain.parallel.pipeline.check import ScheduleError, check, idle_fraction
+from paratrain.parallel.pipeline.check import peak_alive as check_peaks
 from paratrain.parallel.pipeline.schedules import SCHEDULES
 
 SIZES = [(name, p, v, m) for name in SCHEDULES for p in (1, 2, 3, 4, 5)
@@ -35,15 +36,7 @@ def test_every_schedule_passes_the_checker_and_idles_as_its_theory_says(name, p,
 
 
 def peak_alive(actions):
-    """The most (micro-batch, stage) pairs whose forward ran and whose last backward has not."""
-    alive, most = set(), 0
-    for a in actions:
-        if a.op is Op.F:
-            alive.add((a.microbatch, a.stage))
-        elif a.op in (Op.B, Op.W):
-            alive.discard((a.microbatch, a.stage))
-        most = max(most, len(alive))
-    return most
+    return check_peaks([actions])[0]
 
 
 @pytest.mark.parametrize("p,m", [(p, m) for p in (2, 3, 4, 5) for m in (1, 2, p, 2 * p + 1, 3 * p)])
