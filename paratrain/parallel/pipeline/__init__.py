@@ -7,13 +7,13 @@ ZB-H1), check (lists proved before they run), timeline (what ran when), strategy
 from paratrain.parallel.pipeline.cut import Cut
 from paratrain.parallel.pipeline.partition import boundaries, layer_costs, split_model
 from paratrain.parallel.pipeline.actions import Action, Op, with_comm
-from paratrain.parallel.pipeline.check import ScheduleError, check
+from paratrain.parallel.pipeline.check import ScheduleError
 from paratrain.parallel.pipeline.schedules import SCHEDULES, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from paratrain.parallel.pipeline.stage import PipelineStage
 from paratrain.parallel.pipeline.strategy import Pipeline, stage_optimizer
 from paratrain.parallel.pipeline.timeline import Event, Kind, draw, idle_fraction, peak_in_flight, replay
 
 __all__ = ["Pipeline", "PipelineStage", "Cut", "SCHEDULES", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1",
-           "Action", "Op", "with_comm", "check", "ScheduleError", "split_model",
+           "Action", "Op", "with_comm", "ScheduleError", "split_model",
            "layer_costs", "boundaries", "stage_optimizer", "Event", "Kind", "idle_fraction",
            "peak_in_flight", "replay", "draw"]

@@ -30,7 +30,7 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from paratrain.parallel.pipeline import check
+from paratrain.parallel.pipeline.check import replay as replay_lists
 from paratrain.parallel.pipeline.actions import Action, Op
 
 
@@ -91,7 +91,7 @@ def replay(events: Sequence[Event], forward_cost: float = 1.0, backward_cost: fl
     v = len({e.chunk for e in events})  # a chunk is 1/v of a rank's stage: its work costs 1/v
     costs = {Op.F: forward_cost / v, Op.B: backward_cost / v, Op.I: backward_cost / 2 / v, Op.W: backward_cost / 2 / v}
     duration = (lambda r, j: ranks[r][j].end - ranks[r][j].start) if measured else None
-    timed = check.replay(lists, p, costs, duration=duration)
+    timed = replay_lists(lists, p, costs, duration=duration)
     return [replace(ranks[t.rank][t.index], start=float(t.start), end=float(t.end)) for t in timed]
 
 
