@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "paratrain"
 # collectives record into the flight recorder, and a rank attaches its worker before torch loads.
 LAYERS = [
     {"errors", "debug", "debug.flight_recorder", "debug.flight_hooks", "debug.hang_report", "debug.postmortem",
-     "launch", "launch.worker", "launch.cpu_malloc"},
+     "launch", "launch.worker", "launch.cpu_malloc", "launch.stopped"},
     {"distributed", "distributed.topology"},
     {"distributed.grid"},
     {"distributed.comm"},

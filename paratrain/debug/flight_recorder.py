@@ -12,6 +12,8 @@ each rank was. So every rank keeps its last N operations (PARATRAIN_FLIGHT_RECOR
     site        the caller's file, line and function: the first frame outside paratrain, torch
                 and the standard library, found by walking frames (sys._getframe), not by
                 formatting a traceback: a few microseconds per call
+    within      the collective call of the user's it was issued in ("session.checkpoint"; see
+                `within`), or None
     state       started → completed, or failed (and the error); for async_op=True, completed
                 or failed when its work's future says so (a callback: a future that holds an
                 error is a failure, a timeout or a lost peer that DDP's or ZeRO's wait() will
@@ -27,6 +29,7 @@ it before torch loads), and the ring is written as JSON so the launcher reads it
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import json
 import os
@@ -84,12 +87,12 @@ def call_site(depth: int = 2) -> tuple[str, int, str] | None:
 class Entry:
     """One operation. Plain slots, filled in by the hooks: recording must stay cheap."""
 
-    __slots__ = ("seq", "op", "group", "gseq", "tensors", "nbytes", "detail", "site", "state",
+    __slots__ = ("seq", "op", "group", "gseq", "tensors", "nbytes", "detail", "site", "within", "state",
                  "error", "started", "ended", "works")
 
-    def __init__(self, seq, op, group, gseq, tensors, nbytes, detail, site):
+    def __init__(self, seq, op, group, gseq, tensors, nbytes, detail, site, within=None):
         self.seq, self.op, self.group, self.gseq = seq, op, group, gseq
-        self.tensors, self.nbytes, self.detail, self.site = tensors, nbytes, detail, site
+        self.tensors, self.nbytes, self.detail, self.site, self.within = tensors, nbytes, detail, site, within
         self.state, self.error, self.started, self.ended = "started", None, time.time(), None
         self.works: list | None = None  # weak references to async works that have no future
 
@@ -130,7 +133,8 @@ class Entry:
         file, line, function = self.site or (None, None, None)
         return dict(seq=self.seq, op=self.op, group=list(self.group), gseq=self.gseq,
                     tensors=[describe_tensor(*t) for t in self.tensors], bytes=self.nbytes,
-                    detail=self.detail, file=file, line=line, function=function, state=self.current_state(),
+                    detail=self.detail, file=file, line=line, function=function, within=self.within,
+                    state=self.current_state(),
                     error=self.error, started=self.started, ended=self.ended)
 
 
@@ -147,6 +151,7 @@ class FlightRecorder:
         self.capacity = capacity
         self.ring: collections.deque[Entry] = collections.deque(maxlen=max(capacity, 1))
         self.on_failure: Callable[[], None] | None = None  # launch/worker.py: write the ring to the notes
+        self.within: str | None = None  # the collective call of the user's the operations are issued in
         self.reset()
 
     def reset(self) -> None:
@@ -158,7 +163,7 @@ class FlightRecorder:
     def start(self, op: str, group: tuple, tensors: list, nbytes: int, detail, site) -> Entry:
         gseq = self.issued.get(group, 0)
         self.issued[group] = gseq + 1
-        entry = Entry(next(self._seq), op, group, gseq, tensors, nbytes, detail, site)
+        entry = Entry(next(self._seq), op, group, gseq, tensors, nbytes, detail, site, self.within)
         self.ring.append(entry)
         return entry
 
@@ -181,6 +186,26 @@ class FlightRecorder:
 
 
 RECORDER = FlightRecorder(capacity_from_env())
+
+
+def within(name: str):
+    """Decorate a method that is a collective of the user's (Session.checkpoint: every rank must
+    call it): the operations it issues are recorded as issued in `name` (the outermost such call:
+    checkpoint's save is checkpoint's), so the report can say "rank 0 called session.checkpoint
+    alone" where the ranks part (debug/hang_report.py)."""
+    def decorate(method):
+        @functools.wraps(method)
+        def recorded(*args, **kwargs):
+            outer = RECORDER.within
+            RECORDER.within = outer or name
+            try:
+                return method(*args, **kwargs)
+            finally:
+                RECORDER.within = outer
+
+        return recorded
+
+    return decorate
 
 
 def dump(path: str, **about) -> None:

@@ -8,7 +8,9 @@ operation that never completed (where it is blocked, or where it gave up), else 
 then, per group, the ranks that issued the fewest operations on it (behind), and the first #k
 where the ranks disagree: another operation or tensor shape, or a rank that never issued it.
 Point-to-point operations are shown where a rank is blocked in one but not compared (a send and
-its receive differ by nature).
+its receive differ by nature). `alone` names, where the ranks part, a collective call of the
+user's (a Session method every rank must call, recorded as each operation's `within`) that some
+ranks were in and the others not: "rank 0 called session.checkpoint alone (at train.py:51)".
 """
 
 from __future__ import annotations
@@ -36,23 +38,72 @@ def describe(rings: dict[int, dict]) -> list[str]:
     """The report's lines (none without rings)."""
     if not rings:
         return []
-    world = max((r.get("world") or 0 for r in rings.values()), default=0)
+    world = _world(rings)
     capacity = max(r["capacity"] for r in rings.values())
     lines = [f"collectives (each rank's last {capacity}, from its flight recorder; #k = the k-th on that group):"]
     lines += ["  " + _where(rank, ring, world) for rank, ring in sorted(rings.items())]
-    groups = sorted({tuple(g) for r in rings.values() for g, _ in r["issued"] if g and g[0] != "p2p"},
-                    key=lambda g: (-len(g), g))
-    splits = []
+    groups = _groups(rings)
     for group in groups:
         members = [r for r in group if r in rings]
         if len(members) > 1:
             lines += ["  " + line for line in _behind(group, members, rings, world)]
-            splits += _divergence(group, members, rings, world)
-    if splits:
-        lines.append("  " + min(splits)[1])
+    if split := _first_split(rings):
+        _, group, k, seen = split
+        lines.append(f"  the histories diverge at #{k} on {_group(group, world)}: " + _sides(seen, k, world))
     elif any(len([r for r in g if r in rings]) > 1 for g in groups):
         lines.append("  the ranks of this node issued the same collectives, in the same order")
     return lines
+
+
+def alone(rings: dict[int, dict]) -> str | None:
+    """'rank 0 called session.checkpoint alone (at bad.py:51): …' when, where the ranks'
+    histories first part, some ranks were inside a collective call of the user's (a Session
+    method every rank must call: flight_recorder.within) that the others were not in; else None."""
+    split = _first_split(rings) if rings else None
+    if split is None:
+        return None
+    _, _, k, seen = split
+    inside = sorted((e["started"], r, e["within"]) for r, e in seen.items() if e and e.get("within"))
+    if not inside:
+        return None
+    name = inside[0][2]
+    ranks = sorted(r for _, r, within in inside if within == name)
+    others = {r: e for r, e in seen.items() if r not in ranks}
+    if not others:
+        return None  # every rank was in it: they called it alike, and parted inside it
+    world = _world(rings)
+    instead = "; ".join(f"rank {r} never issued #{k}" if e is None else
+                        f"rank {r} called {e['op']}{_tensor(e)} at {_site(e)}"
+                        + (f" in {e['within']}" if e.get("within") else "") + " instead"
+                        for r, e in sorted(others.items()))
+    return (f"{_ranks(ranks)} called {name} alone (at {_place(seen[ranks[0]])}): at #{k} on "
+            f"{_group(tuple(seen[ranks[0]]['group']), world)}, {instead}. {name} is a collective: call it "
+            "on every rank, at the same point of the loop")
+
+
+def waited_in(ring: dict | None) -> str | None:
+    """'all_reduce at train.py:69': the oldest operation of the ring that never completed."""
+    pending = [e for e in (ring or {}).get("entries", []) if e["state"] in ("started", "failed")]
+    return f"{pending[0]['op']} at {_place(pending[0])}" if pending else None
+
+
+def _world(rings: dict[int, dict]) -> int:
+    return max((r.get("world") or 0 for r in rings.values()), default=0)
+
+
+def _groups(rings: dict[int, dict]) -> list[tuple]:
+    return sorted({tuple(g) for r in rings.values() for g, _ in r["issued"] if g and g[0] != "p2p"},
+                  key=lambda g: (-len(g), g))
+
+
+def _first_split(rings: dict[int, dict]) -> tuple[float, tuple, int, dict] | None:
+    """(when, group, #k, rank -> its entry or None) of the earliest divergence over every group."""
+    splits = []
+    for group in _groups(rings):
+        members = [r for r in group if r in rings]
+        if len(members) > 1 and (split := _divergence(group, members, rings)):
+            splits.append(split)
+    return min(splits, key=lambda s: s[0]) if splits else None
 
 
 def _where(rank: int, ring: dict, world: int) -> str:
@@ -81,8 +132,9 @@ def _behind(group: tuple, members: list[int], rings: dict, world: int) -> list[s
     return [f"behind on {_group(group, world)}: {_ranks(behind)} (issued {last}; {ahead})"]
 
 
-def _divergence(group: tuple, members: list[int], rings: dict, world: int) -> list[tuple[float, str]]:
-    """[(when, line)] for the first #k on `group` where the members disagree (none when they agree)."""
+def _divergence(group: tuple, members: list[int], rings: dict) -> tuple[float, tuple, int, dict] | None:
+    """(when, group, #k, rank -> entry) for the first #k on `group` where the members disagree
+    (None when they agree)."""
     by_k = {r: {e["gseq"]: e for e in rings[r]["entries"] if tuple(e["group"]) == group} for r in members}
     issued = {r: _issued(rings[r], group) for r in members}
     first = max(min(by_k[r], default=issued[r]) for r in members)  # older ones left some ring
@@ -91,9 +143,8 @@ def _divergence(group: tuple, members: list[int], rings: dict, world: int) -> li
         if any(seen[r] is None and k < issued[r] for r in members):
             continue  # not in that rank's ring any more: cannot tell
         if len({_signature(e) for e in seen.values()}) > 1:
-            when = min(e["started"] for e in seen.values() if e)
-            return [(when, f"the histories diverge at #{k} on {_group(group, world)}: " + _sides(seen, k, world))]
-    return []
+            return min(e["started"] for e in seen.values() if e), group, k, seen
+    return None
 
 
 def _sides(seen: dict[int, dict | None], k: int, world: int) -> str:
@@ -143,8 +194,15 @@ def _site(e: dict) -> str:
     """'train.py:12 (in step)', relative to the launcher's folder when under it."""
     if not e.get("file"):
         return "an unknown place (no Python caller)"
+    return f"{_place(e)} (in {e['function']})"
+
+
+def _place(e: dict) -> str:
+    """'train.py:12'."""
+    if not e.get("file"):
+        return "an unknown place"
     path = os.path.relpath(e["file"])
-    return f"{e['file'] if path.startswith('..') else path}:{e['line']} (in {e['function']})"
+    return f"{e['file'] if path.startswith('..') else path}:{e['line']}"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -27,6 +27,8 @@ reported as finished too: its note cannot tell the status it was leaving with.
 
 Then, from the rings the ranks' flight recorders left (debug/hang_report.py): where each rank was in
 its collectives, which ranks are behind, and the user's line where their histories first differ.
+Where they part inside a collective call of the user's that only some ranks made (session.checkpoint
+on rank 0 alone), that call leads the summary, unless a rank failed by an exception of its own.
 
 The notes cover this node's ranks only; with several nodes the rank at fault may be on another.
 """
@@ -47,6 +49,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from paratrain.debug import hang_report
+from paratrain.launch import stopped
 
 # frames under these are not the user's: torch, paratrain, the standard library, installed packages
 _LIBRARIES = tuple({os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
@@ -66,6 +69,7 @@ class RankEnd:
     pid: int | None
     note: dict  # launch/worker.py's note ({} when the rank left none)
     stack: str  # faulthandler's dump when it was stopped by SIGTERM, else ""
+    frozen: bool = False  # its process was stopped (SIGSTOP) when the launcher ended it (launch/stopped.py)
 
     @property
     def kind(self) -> str:
@@ -81,11 +85,38 @@ def report(error: ChildFailedError, notes_dir: str) -> int:
         return 0
     lines, status = summarize(ends, first_rank)
     try:
-        lines += hang_report.describe(hang_report.read_rings(notes_dir, {r: e.pid for r, e in ends.items()}))
+        rings = hang_report.read_rings(notes_dir, {r: e.pid for r, e in ends.items()})
+        # a collective call made on some ranks only (session.checkpoint) is the cause, unless a
+        # rank failed on its own; a rank that was not running at all comes before either
+        if (lead := hang_report.alone(rings)) and not any(_own_error(e) for e in ends.values()):
+            lines.insert(0, lead)
+        if frozen := [e for e in ends.values() if e.frozen]:
+            lines.insert(0, _frozen_line(frozen, [e for e in ends.values() if not e.frozen], rings))
+        lines += hang_report.describe(rings)
     except (KeyError, TypeError, ValueError, IndexError) as e:  # a ring of another version: the rest stands
         lines.append(f"the ranks' flight recorder rings could not be read ({type(e).__name__}: {e})")
     print("\n".join(f"paratrain run: {line}" for line in lines), file=sys.stderr)
     return _status(status)
+
+
+def _frozen_line(frozen: list[RankEnd], others: list[RankEnd], rings: dict[int, dict]) -> str:
+    """'rank 1 is not running (stopped); rank 0 waited in all_reduce at train.py:69'."""
+    waits = []
+    for e in others:
+        if where := hang_report.waited_in(rings.get(e.rank)):
+            waits.append(f"rank {e.rank} waited in {where}")
+        elif e.kind == "collective":
+            waits.append(f"rank {e.rank} gave up waiting in a collective")
+    verb = "is" if len(frozen) == 1 else "are"
+    them = "it" if len(frozen) == 1 else "them"
+    return (f"{_ranks(frozen)} {verb} not running (stopped)" + (f"; {'; '.join(waits)}" if waits else "")
+            + f". A stopped process (SIGSTOP, Ctrl-Z, a debugger) runs nothing until it is continued: "
+              f"the launcher continued {them} to end the job; look for what stopped {them}")
+
+
+def _own_error(end: RankEnd) -> bool:
+    """The rank raised an exception of its own, not a collective's, nor one that may echo another's."""
+    return end.kind == "exception" and not end.note.get("echo")
 
 
 def read_ends(error: ChildFailedError, notes_dir: str) -> dict[int, RankEnd]:
@@ -100,15 +131,16 @@ def read_ends(error: ChildFailedError, notes_dir: str) -> dict[int, RankEnd]:
             notes[note["pid"]] = note
         except (OSError, ValueError, KeyError):
             continue  # a note cut short: that rank is judged by its exit code alone
-    ends = {r: RankEnd(r, f.exitcode, f.pid, notes.get(f.pid, {}), _read(notes_dir, f.pid))
-            for r, f in error.failures.items()}
+    ends = {r: RankEnd(r, f.exitcode, f.pid, notes.get(f.pid, {}), _read(notes_dir, f.pid),
+                       stopped.was_stopped(notes_dir, f.pid)) for r, f in error.failures.items()}
     attempt = max((e.note["attempt"] for e in ends.values() if e.note), default=None)
     for note in notes.values():
         if note["attempt"] == attempt and note["rank"] not in ends:
             # torch 2.9's agent does not list the ranks it stopped either: a stack (written only on
             # SIGTERM) says this one was stopped, and its end is the signal's, as 2.13's agent says
             stack = _read(notes_dir, note["pid"])
-            ends[note["rank"]] = RankEnd(note["rank"], -signal.SIGTERM if stack else 0, note["pid"], note, stack)
+            ends[note["rank"]] = RankEnd(note["rank"], -signal.SIGTERM if stack else 0, note["pid"], note, stack,
+                                         stopped.was_stopped(notes_dir, note["pid"]))
     return dict(sorted(ends.items()))
 
 

@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from paratrain.debug import postmortem
 from paratrain.distributed.topology import pick_backend
 from paratrain.errors import ConfigError
-from paratrain.launch import cpu_malloc, worker
+from paratrain.launch import cpu_malloc, stopped, worker
 
 TORCHRUN_DEFAULT_PORT = 29500  # what torchrun uses for a static rendezvous with no --master-port
 PASSED_THROUGH = ("log_dir", "redirects", "tee", "local_addr")  # torchrun's own, unchanged
@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     notes = tempfile.mkdtemp(prefix="paratrain-run-")  # the ranks' last words (launch/worker.py)
     os.environ[worker.REPORT_DIR] = notes
     try:
-        torchrun.main(torchrun_argv(args))
+        with stopped.wake_stopped(notes):  # a stopped rank ends at once, not 30 s later (launch/stopped.py)
+            torchrun.main(torchrun_argv(args))
     except ChildFailedError as e:
         return postmortem.report(e, notes)
     except SignalException as e:  # the agent has already stopped the workers (SIGTERM, then SIGKILL)

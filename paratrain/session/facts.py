@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from paratrain.components.contrastive import Gathered, gather_embeddings
 from paratrain.data.loader import shard_loader, to_device
+from paratrain.debug.flight_recorder import within
 from paratrain.errors import UsageError
 from paratrain.parallel.base import ParallelModule, full_state_dict, uncompiled
 from paratrain.session.preemption import SIGNALS
@@ -88,6 +89,7 @@ class JobFacts:
         batch sampling); `Session(seed=...)` seeds torch alike on every rank."""
         return self.seed * 100_003 + 1 + self.rank
 
+    @within("session.full_state_dict")
     def full_state_dict(self: "Session") -> dict[str, torch.Tensor]:
         """The whole model's state dict with its own keys, on every rank (a collective)."""
         return full_state_dict(self._require_model())

@@ -43,6 +43,7 @@ from paratrain.checkpoint.export import export_model
 from paratrain.checkpoint.layout import layout_of
 from paratrain.checkpoint.random_state import rng_state, rng_tensors, set_rng_state
 from paratrain.data.loader import ShardedLoader
+from paratrain.debug.flight_recorder import within
 from paratrain.distributed.comm import group_device
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.parallel.base import ParallelModule
@@ -66,6 +67,7 @@ class SessionCheckpoints:
             if name in self.unclaimed:
                 obj.load_state_dict(self.unclaimed.pop(name))
 
+    @within("session.save")
     def save(self: "Session", path: str | os.PathLike) -> Path:
         """Save model, optimizer, epoch and micro-step, the sampler's position, registered objects
         and every rank's RNG states to `path` (checkpoint/save_load.py: sharded, atomic). A collective:
@@ -76,6 +78,7 @@ class SessionCheckpoints:
         state, rng = session_state(self)
         return checkpoint.save(path, self._require_model(), self.optimizer, state=state, rng=rng)
 
+    @within("session.load")
     def load(self: "Session", path: str | os.PathLike, *, weights_only: bool = False,
              hyperparameters: str = "checkpoint") -> None:
         """Load a checkpoint written by `save` under any strategy and world size; training then
@@ -101,6 +104,7 @@ class SessionCheckpoints:
         if not weights_only:
             restore_session(self, loaded, path)
 
+    @within("session.checkpoint")
     def checkpoint(self: "Session", root: str | os.PathLike, keep: int = 3) -> Path:
         """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there (in
         the order they were written). The first call locks `root` for this job until close()."""
@@ -109,6 +113,7 @@ class SessionCheckpoints:
         checkpoint.prune(root, keep)
         return path
 
+    @within("session.resume")
     def resume(self: "Session", root: str | os.PathLike, *, required: bool = False,
                weights_only: bool = False, hyperparameters: str = "checkpoint") -> bool:
         """Load the newest intact checkpoint under `root` (or `root` itself, when it is one); a
@@ -117,6 +122,7 @@ class SessionCheckpoints:
         load = functools.partial(self.load, weights_only=weights_only, hyperparameters=hyperparameters)
         return checkpoint.resume(root, load, required=required) is not None
 
+    @within("session.export")
     def export(self: "Session", path: str | os.PathLike) -> Path | None:
         """The whole model as one `.safetensors` file for inference, with the plain model's
         state-dict keys, written by rank 0 as it gathers the model a piece at a time (a ZeRO-3

@@ -146,10 +146,10 @@ def test_report_compares_what_both_rings_still_hold_and_names_a_shape_mismatch()
 
 # A Session trains in lock step, and rank 1 goes wrong at step 3: it sleeps (rank 0 times out in
 # the step's collective), it leaves the loop (`break`), or its stream, sharding itself by rank
-# where the Session shards it again, runs out a step before rank 0's. The collectives are the
+# where the Session shards it again, runs out a step before rank 0's; or rank 0 checkpoints alone. The collectives are the
 # strategies' own async ones (DDP's buckets, ZeRO-3's gathers), waited on inside the step.
 SESSION = textwrap.dedent("""\
-    import itertools, sys, time
+    import itertools, os, sys, time
     import torch, torch.nn.functional as F, torch.distributed as dist
     from torch.utils.data import DataLoader, IterableDataset, TensorDataset
     import paratrain as pt
@@ -179,6 +179,8 @@ SESSION = textwrap.dedent("""\
             time.sleep(120)  # SLEEP
         if mode == "break" and rank == 1 and step == 3:
             break
+        if mode == "checkpoint" and rank == 0 and step == 3:
+            session.checkpoint(os.path.join(os.path.dirname(parted), "checkpoints"))  # ALONE
         session.train_step(batch, F.cross_entropy)  # STEP
     """)
 
@@ -219,3 +221,31 @@ def test_a_session_rank_that_stops_early_is_named_as_having_exited(tmp_path, str
     assert report[0].endswith(" while rank 0 was still training; the others then failed waiting for it"), report
     assert report[1].startswith("rank 0 gave up waiting in a collective (exit code 1, pid "), report
     assert any(line.startswith("  rank 0 gave up in #") for line in report), report
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_session_checkpoint_called_on_one_rank_only_is_named(tmp_path, strategy):
+    report = _session_report(tmp_path, strategy, "checkpoint")
+    assert report[0].startswith(f"rank 0 called session.checkpoint alone (at session.py:{_session_line('ALONE')}): "
+                                "at #"), report
+    assert (f"rank 1 called {'all_reduce(float32[178])' if strategy == 'ddp' else 'broadcast(float32[89])'} at "
+            f"session.py:{_session_line('STEP')} (in <module>) instead. session.checkpoint is a collective: call it "
+            "on every rank, at the same point of the loop") in report[0], report
+
+
+def test_a_collective_call_every_rank_made_alike_is_not_called_alone():
+    """Both ranks were in session.save where they parted (a shape differs inside it): no rank
+    called it alone. Rank 1 in another of them (session.load): rank 0 called save alone."""
+    rank0 = _ring([(0, "all_reduce", "float32[4]", 9, "completed"), (1, "broadcast", "float32[4]", 12, "started")],
+                  [[[0, 1], 2]])
+    rank1 = _ring([(0, "all_reduce", "float32[4]", 9, "completed"), (1, "broadcast", "float32[5]", 12, "started")],
+                  [[[0, 1], 2]])
+    for ring in (rank0, rank1):
+        ring["entries"][1]["within"] = "session.save"
+    assert hang_report.alone({0: rank0, 1: rank1}) is None
+    rank1["entries"][1]["within"] = "session.load"
+    assert hang_report.alone({0: rank0, 1: rank1}).startswith(
+        "rank 0 called session.save alone (at /job/train.py:12): at #1 on the world group (ranks 0, 1), rank 1 called "
+        "broadcast(float32[5]) at /job/train.py:12 (in step) in session.load instead.")
+    del rank0["entries"][1]["within"]  # a ring written before `within` existed
+    assert hang_report.alone({0: rank0, 1: rank1}).startswith("rank 1 called session.load alone")

@@ -355,3 +355,36 @@ def test_an_echoing_rank_waits_for_the_others_notes_before_it_exits(tmp_path, mo
     began = time.monotonic()
     worker._let_the_others_speak(str(tmp_path), mine)  # rank 1 never stops: bounded
     assert 0.2 <= time.monotonic() - began < 2
+
+
+# Rank 1 stops itself (SIGSTOP, as a job-control stop or a debugger would) at step 3; rank 0 waits
+# for it in the all-reduce until the collective timeout.
+STOPS = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch, torch.distributed as dist
+    import paratrain as pt
+
+    topo = pt.Topology.from_env().init()
+    for step in range(40):
+        if topo.rank == 1 and step == 3:
+            open(sys.argv[1], "w").write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # STOP
+        dist.all_reduce(torch.ones(1))  # ALL_REDUCE
+""")
+
+
+def test_a_stopped_rank_is_ended_within_the_timeout_and_named(tmp_path, monkeypatch):
+    """torch's agent waits 30 s after its SIGTERM, which a stopped process never runs, before it
+    sends SIGKILL: the job must end within --timeout + 10 s of the stop all the same."""
+    monkeypatch.delenv("PARATRAIN_DEBUG_COLLECTIVES", raising=False)
+    (tmp_path / "stops.py").write_text(STOPS)
+    timeout = 10
+    proc = paratrain("run", "-n", "2", "--timeout", str(timeout), "stops.py", str(tmp_path / "stopped"),
+                     cwd=tmp_path, timeout=120)
+    took = time.time() - float((tmp_path / "stopped").read_text())
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("paratrain run:")]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert took < timeout + 10, f"the job ran {took:.1f} s after rank 1 was stopped"
+    line = next(i for i, s in enumerate(STOPS.splitlines(), 1) if "# ALL_REDUCE" in s)
+    assert summary[0].startswith(f"paratrain run: rank 1 is not running (stopped); rank 0 waited in all_reduce "
+                                 f"at stops.py:{line}. "), summary
