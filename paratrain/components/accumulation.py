@@ -3,8 +3,11 @@ tokens: the bookkeeping behind `Session.backward(loss, weight=...)` (see its doc
 
 Each micro-batch's loss enters backward as weight · loss (its sum over tokens); at the end of the
 accumulation window one all-reduce of the weights gives Σ weight over every micro-batch of every
-rank, and the gradients are multiplied by replicas / Σ weight (replicas undoing the data-parallel
-mean), so the step's gradient is that of the mean over every token.
+rank, and the gradients are multiplied by world / Σ weight, so the step's gradient is that of the
+mean over every token. Why the world size: the gradients are averaged over the data-parallel
+ranks (dp; dp × cp under context parallelism, whose ranks each weigh their share of a sequence,
+parallel/context/model.py), and every rank of a tensor-parallel group passes the same weight, so
+Σ weight over the world is tp × the tokens: world / Σ weight = dp · cp / tokens in every case.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ class TokenWeights:
         self.weighted += 1
         return float(weight)
 
-    def normaliser(self, replicas: int) -> float:
-        """replicas / (Σ weight over every rank), 1.0 without weights; resets the window. A
+    def normaliser(self) -> float:
+        """world / (Σ weight over every rank), 1.0 without weights; resets the window. A
         collective when weights were given (every rank gives them)."""
         weighted, plain, total = self.weighted, self.plain, self.total
         self.reset()
@@ -48,7 +51,7 @@ class TokenWeights:
         total_t = torch.tensor(total, dtype=torch.float64, device=group_device())
         dist.all_reduce(total_t)
         total = total_t.item()
-        return replicas / total if total > 0 else 1.0  # no tokens anywhere: the gradients are 0
+        return dist.get_world_size() / total if total > 0 else 1.0  # no tokens anywhere: the gradients are 0
 
 
 class MicroBatch:

@@ -5,7 +5,7 @@ Per optimizer step, on the gradients `local_grads()` returns (parallel/base.py),
 losses of its micro-batches (LossLog: recorded as they come, read here in the same wait for the
 device as the gradients, so a micro-batch costs none):
 
-    normalise   token-weighted losses: × replicas / Σ weight (components/accumulation.py)
+    normalise   token-weighted losses: × world / Σ weight (components/accumulation.py)
     unscale     fp16: ÷ the loss scale; an inf or nan on any holder skips the step (components/precision.py)
     check       otherwise a non-finite loss, or gradient anywhere, stops the run, naming the
                 micro-batch or the parameters, before the optimizer steps: replicated strategies
@@ -94,7 +94,7 @@ def optimizer_step(model: ParallelModule, optimizer: torch.optim.Optimizer, *, w
             if losses is not None:
                 losses.items.clear()
             raise
-    factor = weights.normaliser(model.replicas)
+    factor = weights.normaliser()
     skip, norm, found, flag = False, None, None, None  # the check's total; its found_inf on the device
     reduced_finite = model.reduced_finite()  # every step: it starts the next step's count too
     loss = losses.total() if check_finite and losses is not None else None
