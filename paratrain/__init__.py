@@ -28,6 +28,7 @@ from paratrain.distributed.ring import ring_all_reduce
 from paratrain.distributed.topology import Topology, destroy
 from paratrain.errors import CheckpointError, CommError, ConfigError, ParatrainError, UsageError
 from paratrain.parallel.base import ParallelModule, Strategy, full_state_dict
+from paratrain.parallel.context import positions
 from paratrain.parallel.ddp import DDP, DistributedDataParallel
 from paratrain.parallel.dp import DP, DataParallel
 from paratrain.parallel.hierarchical import Hierarchical, HierarchicalDataParallel
@@ -55,5 +56,5 @@ __all__ = [
     "GradScaler", "MetricsLogger", "Logging", "StepWarning", "StepWarnings", "checkpoint_activations",
     "materialize", "load_weights", "install_flight_recorder",
     "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
-    "Mesh", "testing",
+    "Mesh", "positions", "testing",
 ]

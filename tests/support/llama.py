@@ -25,10 +25,11 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rotate(x):  # x: (B, H, T, D): rotary position embedding, the half-split form
+def rotate(x, positions=None):  # x: (B, H, T, D): rotary position embedding, the half-split form
     t, d = x.shape[-2], x.shape[-1]
     freqs = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=x.dtype, device=x.device) / d))
-    angles = torch.outer(torch.arange(t, dtype=x.dtype, device=x.device), freqs)  # (T, D/2)
+    positions = torch.arange(t, dtype=x.dtype, device=x.device) if positions is None else positions.to(x.dtype)
+    angles = torch.outer(positions, freqs)  # (T, D/2)
     cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -43,10 +44,10 @@ class Attention(nn.Module):
         self.v = nn.Linear(width, kv_heads * self.head_dim, bias=False)
         self.o = nn.Linear(heads * self.head_dim, width, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
         b, t, _ = x.shape
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q(x), self.k(x), self.v(x)))
-        q, k = rotate(q), rotate(k)
+        q, k = rotate(q, positions), rotate(k, positions)
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -69,8 +70,8 @@ class Block(nn.Module):
         self.attn_norm, self.attn = RMSNorm(width), Attention(width, heads, kv_heads)
         self.mlp_norm, self.mlp = RMSNorm(width), SwiGLU(width, hidden, bias)
 
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x, positions=None):
+        x = x + self.attn(self.attn_norm(x), positions)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -102,9 +103,21 @@ class Llama(nn.Module):
         return self.pipeline_head(x)
 
 
-def llama(seed: int = 0, dtype=torch.float64, **kwargs) -> Llama:
+class PositionedLlama(Llama):
+    """The same model, told its tokens' positions (`position_ids`, one row for every sequence)
+    rather than counting them: what context parallelism gives a forward that takes them."""
+
+    def forward(self, ids, position_ids=None):
+        positions = None if position_ids is None else position_ids[0]
+        x = self.pipeline_embed(ids)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.pipeline_head(x)
+
+
+def llama(seed: int = 0, dtype=torch.float64, positioned: bool = False, **kwargs) -> Llama:
     torch.manual_seed(seed)
-    return Llama(**kwargs).to(dtype)
+    return (PositionedLlama if positioned else Llama)(**kwargs).to(dtype)
 
 
 def token_batches(steps: int, batch: int, seq: int = 8, vocab: int = 64, seed: int = 1):

@@ -38,12 +38,15 @@ from paratrain.distributed.grid import ProcessGrid
 from paratrain.distributed.topology import Topology
 from paratrain.errors import ConfigError, UsageError
 from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule, Strategy
+from paratrain.parallel.context import ContextParallelModel
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.pipeline import Pipeline, PipelineStage
 from paratrain.parallel.single import SingleDevice
 from paratrain.parallel.tensor.parallelize import Cut, parallelize
 from paratrain.parallel.tensor.plan import plan_for
 from paratrain.parallel.zero import ZeRO
+
+CP_MODES = ("ring", "all-to-all")
 
 # what may run over the tp groups, by name (the registry's names for these four)
 DATA_PARALLEL = {"ddp": DDP, "zero1": functools.partial(ZeRO, stage=1), "zero2": functools.partial(ZeRO, stage=2),
@@ -60,7 +63,9 @@ class Mesh(Strategy):
     dp: Any = "ddp"  # "ddp", "zero1", "zero2", "zero3" or such a strategy object
     tp_plan: Mapping[str, str] | None = None  # module pattern → style; None: the model's (plan.py)
     pp: Pipeline | None = None  # a pipeline of tensor-parallel stages (its replicas are the dp ranks)
-    cp: int = 1  # not yet: context parallelism
+    cp: int = 1  # ranks that split each sequence (parallel/context/)
+    cp_mode: str = "ring"  # "ring" (K, V passed around) or "all-to-all" (heads scattered: Ulysses)
+    cp_positions: bool = True  # under cp, torch.arange(local length) gives the tokens' global positions
     replicate: int = 1  # not yet: hybrid sharding
     sequence_parallel: bool = False  # not yet
 
@@ -70,12 +75,20 @@ class Mesh(Strategy):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"Mesh(tp=...) is the number of ranks that split each layer, a positive integer; "
                               f"got {self.tp!r}")
-        later = [k for k, given, default in (("cp", self.cp, 1), ("replicate", self.replicate, 1),
+        if not isinstance(self.cp, int) or self.cp < 1:
+            raise ConfigError(f"Mesh(cp=...) is the number of ranks that split each sequence, a positive integer; "
+                              f"got {self.cp!r}")
+        if self.cp_mode not in CP_MODES:
+            raise ConfigError(f"Mesh(cp_mode={self.cp_mode!r}): choose {' or '.join(map(repr, CP_MODES))}")
+        later = [k for k, given, default in (("replicate", self.replicate, 1),
                                              ("sequence_parallel", self.sequence_parallel, False))
                  if given is not default and given != default]
         if later:
             raise ConfigError(f"Mesh does not compose {later} with tensor parallelism yet; it composes "
-                              "tp with dp='ddp', 'zero1', 'zero2' or 'zero3', or with pp=pt.Pipeline(...)")
+                              "tp and cp with dp='ddp', 'zero1', 'zero2' or 'zero3', or tp with pp=pt.Pipeline(...)")
+        if self.cp > 1 and self.pp is not None:
+            raise ConfigError("Mesh(cp=..., pp=...) is not supported yet: a pipeline's stages would each pass "
+                              "their part of the sequence; use cp with dp and tp")
         if self.tp_plan is not None:
             object.__setattr__(self, "tp_plan", dict(self.tp_plan))
         inner = self.data_parallel()  # refuse an unknown name now, not at setup
@@ -85,7 +98,8 @@ class Mesh(Strategy):
                               f"dp={self.dp!r}")
 
     def __hash__(self) -> int:
-        return hash((self.tp, str(self.dp), self.pp, tuple(sorted((self.tp_plan or {}).items()))))
+        return hash((self.tp, str(self.dp), self.pp, self.cp, self.cp_mode, self.cp_positions,
+                     tuple(sorted((self.tp_plan or {}).items()))))
 
     def data_parallel(self) -> Strategy:
         """The data-parallel strategy object `dp` names."""
@@ -96,9 +110,30 @@ class Mesh(Strategy):
         return inner
 
     def grid(self, topology: Topology) -> ProcessGrid:
-        return ProcessGrid(topology, pp=self.pp.stages if self.pp is not None else 1, tp=self.tp)
+        return ProcessGrid(topology, pp=self.pp.stages if self.pp is not None else 1, tp=self.tp, cp=self.cp)
 
     def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
+        # the ranks of a cp group average their gradients as data-parallel ranks do (each holds
+        # part of every sequence): the wrappers below see dp × cp as their data-parallel ranks
+        data_grid = grid if self.cp == 1 else ProcessGrid(grid.topology, pp=grid.pp, tp=grid.tp)
+        if self.tp > 1:
+            wrapped, optimizer = self._tensor_parallel(model, optimizer, data_grid, init)
+        else:
+            wrapped, optimizer = self._data_parallel(model, optimizer, data_grid, init)
+        if self.cp == 1:
+            return wrapped, optimizer
+        cp_group, _ = grid.group("cp")
+        return ContextParallelModel(wrapped, cp_group, grid.coords()["cp"], self.cp, replicas=grid.dp,
+                                    replica_index=grid.replica, mode=self.cp_mode,
+                                    arange_positions=self.cp_positions), optimizer
+
+    def _data_parallel(self, model: nn.Module, optimizer, grid: ProcessGrid, init: MetaInit | None):
+        inner = self.data_parallel()
+        if grid.dp == 1 and inner.name == "ddp":  # nothing to average: no DDP hooks
+            return SingleDevice(whole(model, init).to(grid.topology.device)), optimizer
+        return inner.setup(model, optimizer, grid, init=init)
+
+    def _tensor_parallel(self, model: nn.Module, optimizer, grid: ProcessGrid, init: MetaInit | None):
         plan = plan_for(model, self.tp_plan, self.tp)
         if optimizer is not None:
             check_optimizer_owns(optimizer, model.parameters())
@@ -118,11 +153,10 @@ class Mesh(Strategy):
             model.get_submodule(name).to(device)
         if optimizer is not None:
             optimizer = _rebuilt(optimizer, cut)
-        inner_strategy = self.pp if self.pp is not None else self.data_parallel()
-        if self.pp is None and grid.dp == 1 and inner_strategy.name == "ddp":  # nothing to average: no DDP hooks
-            inner, optimizer = SingleDevice(whole(model, init).to(device)), optimizer
+        if self.pp is not None:
+            inner, optimizer = self.pp.setup(model, optimizer, grid, init=init)
         else:
-            inner, optimizer = inner_strategy.setup(model, optimizer, grid, init=init)
+            inner, optimizer = self._data_parallel(model, optimizer, grid, init)
         return TensorParallelModel(inner, cut, tp_group, holders, grid.tp_rank), optimizer
 
 
