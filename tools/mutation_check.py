@@ -413,6 +413,25 @@ MUTANTS = [
     Mutant("verify-loss-unweighted", "verify averages token-weighted losses without their weights",
            (('    if all(r.get("weight") is not None for r in records):', "    if False:"),),
            ("tests/debug/test_verify.py",)),
+    # context parallelism (parallel/context/)
+    Mutant("cp-contiguous-cut", "each rank holds a contiguous part of the sequence, not a chunk and its mirror",
+           (("    return rank, 2 * cp - 1 - rank", "    return 2 * rank, 2 * rank + 1"),),
+           ("tests/parallel/context/test_ring_attention.py",)),
+    Mutant("cp-ring-no-lse-merge", "ring attention adds block outputs without weighing them by their log-sum-exp",
+           (("    return out * torch.exp(lse.unsqueeze(-1) - safe) + block_out * torch.exp(block_lse.unsqueeze(-1) - safe), both",
+             "    return out + block_out, both"),),
+           ("tests/parallel/context/test_ring_attention.py",)),
+    Mutant("cp-dkv-not-returned", "the ring's dK/dV accumulators stop one rank short of their owner",
+           (("            grad_kv = passing.wait()  # this rank's own block, with every rank's share",
+             "            passing.wait()"),),
+           ("tests/parallel/context/test_ring_attention.py",)),
+    Mutant("cp-loss-unweighed", "each cp rank's loss is its local mean, unweighed by its share of the tokens",
+           (("        weighted = loss_fn if share is None else", "        weighted = loss_fn if True else"),),
+           ("tests/parallel/context/test_context_parallel.py",)),
+    Mutant("cp-local-positions", "torch.arange(local length) inside the step gives local positions",
+           (("            return self.cut.positions(kwargs.get(\"device\")).to(kwargs.get(\"dtype\") or torch.int64)",
+             "            return func(*args, **kwargs)"),),
+           ("tests/parallel/context/test_context_parallel.py",)),
 ]
 
 

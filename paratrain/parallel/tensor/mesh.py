@@ -14,6 +14,11 @@ setup, on every rank (collective):
        with the same tp rank (distributed/grid.py), which hold the same slices; or, with `pp`,
        the pipeline cuts it into stages, its p2p between ranks of the same tp rank.
 
+With `cp`, each sequence is cut over the cp group (parallel/context/): the wrappers above see
+dp × cp as their data-parallel ranks (a cp rank's gradient is of its part of every sequence, so
+they are averaged over both), and a ContextParallelModel around them cuts each batch and routes
+attention; the ranks of one cp group read the same batches.
+
 So the ranks of one tp group read the same batches (they are one data-parallel replica), and the
 gradients of the cut layers are averaged over dp only: their slices differ across tp. A replicated
 parameter gets the same gradient on every tp rank (ops.py's f and g see to it) and takes the same

@@ -224,3 +224,25 @@ def test_each_layer_sends_the_cp_minus_1_over_cp_of_k_and_v_and_keeps_1_over_cp_
     one = saved_bytes(llama(layers=3), x, y)
     for _, kept in results:
         assert kept <= one / cp * 1.05, (kept, one)
+
+
+def save_then_load_elsewhere(topo, path):
+    """Train at cp 2 with ZeRO-3 (shards over dp × cp), save; load under plain DDP."""
+    with pt.Session(strategy=pt.Mesh(cp=2, dp="zero3"), topology=topo, progress_bar=False) as session:
+        model = llama()
+        model, _, data = session.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2), loader())
+        for batch in session.progress(data):
+            session.train_step(batch, lm_loss)
+        session.save(path)
+        saved = session.full_state_dict()
+        topo = dataclasses.replace(topo, master_port=pt.broadcast_object(free_port() if topo.rank == 0 else None))
+    with pt.Session(strategy="ddp", topology=topo, progress_bar=False) as session:
+        model = llama(seed=5)
+        session.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+        session.load(path)
+        return saved, session.full_state_dict()
+
+
+def test_a_checkpoint_saved_under_cp_loads_under_another_strategy(tmp_path):
+    for saved, loaded in run_on_ranks(save_then_load_elsewhere, 2, str(tmp_path / "ckpt"), timeout=200):
+        assert_close(loaded, saved, atol=0)
