@@ -24,6 +24,7 @@ there being nothing to save.
 
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Any, Callable, Union
 
@@ -80,13 +81,31 @@ def _describe(which: Which) -> str:
     return getattr(which, "__name__", None) or repr(which)
 
 
+# What a recompute must run inside, as its forward did: each, called at the forward, returns a
+# context manager that re-enters the state then current (or None). The recompute runs in
+# backward, where a torch function mode of the forward's is not active: context parallelism's
+# routing of attention (parallel/context/routing.py) registers itself here.
+RECOMPUTE_STATE: list[Callable[[], contextlib.AbstractContextManager | None]] = []
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # the class's forward, looked up at each call: a deep copy of the module (whose __dict__ holds
     # this method, rebound to the copy) runs the copy's own forward
     forward = type(self).forward.__get__(self)
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    states = [state for state in (capture() for capture in RECOMPUTE_STATE) if state is not None]
+    if states:
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), _entered(states))
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@contextlib.contextmanager
+def _entered(states: list[contextlib.AbstractContextManager]):
+    with contextlib.ExitStack() as stack:
+        for state in states:
+            stack.enter_context(state)
+        yield
 
 
 _checkpointed_forward.paratrain_checkpointed = True  # type: ignore[attr-defined]

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from paratrain.components.activation_checkpointing import RECOMPUTE_STATE
 from paratrain.distributed.comm import ByteCounter
 from paratrain.errors import UsageError
 from paratrain.parallel.context import sharding
@@ -80,6 +81,14 @@ def routed(cut: Cut) -> Iterator[None]:
             yield
     finally:
         _CURRENT.pop()
+
+
+def _recompute_state() -> contextlib.AbstractContextManager | None:
+    """The routing a checkpointed block's recompute in backward must run under: this one's."""
+    return routed(_CURRENT[-1]) if _CURRENT else None
+
+
+RECOMPUTE_STATE.append(_recompute_state)
 
 
 class _Router(TorchFunctionMode):

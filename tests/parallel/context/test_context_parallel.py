@@ -48,7 +48,7 @@ def build(hf=False, **kwargs):
     return hf_model() if hf else llama(**kwargs)
 
 
-def reference(hf=False, masked=False, weight=None, **kwargs):
+def reference(hf=False, masked=False, weight=None, ckpt=False, **kwargs):
     """One process, the same global batches, the same loop as the session's."""
     model = build(hf, **kwargs)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -59,8 +59,10 @@ def reference(hf=False, masked=False, weight=None, **kwargs):
     return model.state_dict()
 
 
-def train(topo, strategy, hf=False, masked=False, weight=None, **kwargs):
-    with pt.Session(strategy=strategy, topology=topo, progress_bar=False) as session:
+def train(topo, strategy, hf=False, masked=False, weight=None, ckpt=False, **kwargs):
+    """`ckpt`: activation checkpointing of every block, recomputed in backward under the routing."""
+    with pt.Session(strategy=strategy, topology=topo, progress_bar=False,
+                    activation_checkpointing="auto" if ckpt else None) as session:
         model = build(hf, **kwargs)
         data = loader(masked)
         if hf:
@@ -95,7 +97,7 @@ CASES = {  # world → (strategy, training settings), run in one job each
         (pt.Mesh(cp=2), dict(masked=True)), (pt.Mesh(cp=2), dict(masked=True, weight="tokens")),
         (pt.Mesh(cp=2), dict(hf=True)), (pt.Mesh(cp=2), dict(hf=True, weight="tokens")),
         # each rank of a tp group passes the same weight: normalised by the world, not the replicas
-        (pt.Mesh(tp=2), dict(masked=True, weight="tokens"))],
+        (pt.Mesh(tp=2), dict(masked=True, weight="tokens")), (pt.Mesh(cp=2), dict(masked=True, ckpt=True))],
     4: [(pt.Mesh(cp=2, dp="ddp"), dict(masked=True)), (pt.Mesh(cp=2, dp="zero3"), {}), (pt.Mesh(cp=2, tp=2), {}),
         (pt.Mesh(cp=4), dict(masked=True)), (pt.Mesh(cp=2, dp="zero1"), dict(masked=True, weight="tokens"))],
 }
