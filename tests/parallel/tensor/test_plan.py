@@ -68,8 +68,8 @@ def test_a_model_without_a_plan_is_told_how_to_give_one():
 
 
 def test_mesh_refuses_what_it_does_not_compose_yet():
-    with pytest.raises(pt.ConfigError, match=r"\['cp', 'sequence_parallel'\]"):
-        pt.Mesh(tp=2, cp=2, sequence_parallel=True)
+    with pytest.raises(pt.ConfigError, match=r"\['replicate', 'sequence_parallel'\]"):
+        pt.Mesh(tp=2, cp=2, replicate=2, sequence_parallel=True)
     for dp in ("pipeline", "zero4", pt.Hierarchical()):
         with pytest.raises(pt.ConfigError, match=r"must be one of \['ddp', 'zero1', 'zero2', 'zero3'\]"):
             pt.Mesh(tp=2, dp=dp)
