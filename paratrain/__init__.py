@@ -20,6 +20,7 @@ from paratrain.components.contrastive import Gathered, gather_embeddings, nt_xen
 from paratrain.components.materialize import materialize
 from paratrain.components.metrics import MetricsLogger, mean_metrics
 from paratrain.components.precision import GradScaler
+from paratrain.data.batch import UnevenBatchWarning
 from paratrain.data.sampler import DistributedSampler, partition
 from paratrain.debug.flight_hooks import install as install_flight_recorder
 from paratrain.distributed.comm import all_gather_with_grad, broadcast_object
@@ -53,7 +54,8 @@ __all__ = [
     "DistributedDataParallel", "DataParallel", "HierarchicalDataParallel", "LayersOnDevices",
     "PipelineStage", "ColwiseLinear", "RowwiseLinear", "VocabEmbedding",
     "shard", "full_state_dict", "WrapPolicy",
-    "GradScaler", "MetricsLogger", "Logging", "StepWarning", "StepWarnings", "checkpoint_activations",
+    "GradScaler", "MetricsLogger", "Logging", "StepWarning", "StepWarnings", "UnevenBatchWarning",
+    "checkpoint_activations",
     "materialize", "load_weights", "install_flight_recorder",
     "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
     "Mesh", "positions", "testing",

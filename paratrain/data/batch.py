@@ -12,6 +12,13 @@ are counted when the model computes its own loss (no loss_fn): for a transformer
 its class is a causal LM (*ForCausalLM, *LMHeadModel; not *ForTokenClassification or
 *ForMaskedLM, whose labels line up with input_ids); for a model of your own, when the batch's
 input_ids and labels have the same shape.
+
+Each rank's loss is a mean over its own batch, and the replicas average their gradients (torch's
+DDP rule), so ranks given batches of different sizes train a mean of means: a row of a small
+batch weighs more than one of a large batch. A batch from session.setup's loader is the same size
+on every rank; the first train_step of a Session compares the sizes of hand-fed ones (one
+all-gather of an integer, once) and warns on rank 0, naming them and `weight=`, which weighs every
+row alike (`uneven_warning`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from paratrain.distributed import comm
 from paratrain.errors import UsageError
 
 IGNORE_INDEX = -100
@@ -75,3 +83,28 @@ def _tokens(targets: Any, shifted: bool) -> torch.Tensor:
                          "(targets, or a dict's 'labels'); pass the count itself as weight=")
     counted = targets[..., 1:] if shifted else targets
     return (counted != IGNORE_INDEX).sum()
+
+
+class UnevenBatchWarning(UserWarning):
+    """The ranks were given batches of different sizes: the step trains a mean of means."""
+
+
+def uneven_warning(rows: int) -> str | None:
+    """What to say when the ranks' batches (`rows` samples on this rank) differ in size; None when
+    they agree. A collective over every rank."""
+    sizes = [int(n) for n in comm.all_gather(torch.tensor(rows, device=comm.group_device()))]
+    if len(set(sizes)) == 1:
+        return None
+    by_size = {n: [r for r, m in enumerate(sizes) if m == n] for n in sorted(set(sizes), reverse=True)}
+    listed = "; ".join(f"{n} rows on rank{'s' if len(ranks) > 1 else ''} {_few(ranks)}" for n, ranks in by_size.items())
+    return (f"the ranks were given batches of different sizes ({listed}). Each rank's loss is the mean over its own "
+            f"batch and the replicas average those means, so a row of a {min(sizes)}-row batch weighs "
+            f"{max(sizes) / max(min(sizes), 1):.1f}x as much as a row of a {max(sizes)}-row batch: not the mean over "
+            f"all {sum(sizes)} rows one process would take. Pass train_step(batch, loss_fn, weight=<the batch's row "
+            "count>) on every rank to weigh every row alike, or give every rank batches of one size "
+            "(session.setup's loader does)")
+
+
+def _few(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -32,7 +33,7 @@ from paratrain.components.activation_checkpointing import Which, checkpoint_acti
 from paratrain.components.materialize import MetaInit, has_meta
 from paratrain.components.optim import Given, describe, retire_replaced
 from paratrain.components.precision import GradScaler, autocast_dtype, scaler_for
-from paratrain.data.batch import label_shift, unpack
+from paratrain.data.batch import UnevenBatchWarning, label_shift, uneven_warning, unpack
 from paratrain.data.loader import to_device
 from paratrain.debug import flight_hooks
 from paratrain.debug.verify import StepRecorder
@@ -43,6 +44,7 @@ from paratrain.parallel.registry import resolve
 from paratrain.session.autolog import Logging, open_metrics
 from paratrain.session.facts import JobFacts
 from paratrain.session.preemption import Preemption, after_optimizer_step
+from paratrain.session.progress import batch_len
 from paratrain.session.resume import SessionCheckpoints, note_micro_step, position
 from paratrain.session.step import DeviceCheck, LossLog, optimizer_step
 from paratrain.session.watch import StepWarnings, StepWatch
@@ -117,6 +119,7 @@ class Session(JobFacts, SessionCheckpoints):
         self.unclaimed: dict[str, Any] = {}  # loaded states of objects not registered yet (session/resume.py)
         self._in_micro_batch = False  # an accumulation() block was entered, step() not yet called
         self._label_shift: bool | None = None  # the model's own loss shifts its labels (data/batch.py)
+        self._sizes_compared = False  # the first train_step compares the ranks' batch sizes (data/batch.py)
         self.given = Given(0, 0, None)  # the model and optimizer given to setup(), as given
         self.step_boundary: dict | None = None  # the loop at the last optimizer step (session/resume.py)
         self.preemption = Preemption(str(checkpoint_on_preempt)) if checkpoint_on_preempt else None
@@ -180,6 +183,8 @@ class Session(JobFacts, SessionCheckpoints):
         of valid tokens; "tokens" counts the labels that are not -100); see `backward`."""
         inputs, targets, loss_fn, weight = unpack(to_device(batch, self.device), loss_fn, weight, self._label_shift)
         model = self._require_model()
+        if not self._sizes_compared:
+            self._compare_sizes(model, inputs, weight)
         if self.meter is not None:
             self.meter.count(inputs)
         with self.accumulation():
@@ -190,6 +195,15 @@ class Session(JobFacts, SessionCheckpoints):
         self.last_loss = loss
         self.step()
         return loss
+
+    def _compare_sizes(self, model: ParallelModule, inputs: Any, weight: Any) -> None:
+        """Warn once when the replicas' first batches differ in size and no weight= weighs them
+        (a pipeline's stages compare theirs themselves: parallel/pipeline/p2p.py)."""
+        self._sizes_compared = True
+        if weight is None and model.replicas > 1 and model.supports_token_weights:
+            said = uneven_warning(batch_len(inputs))
+            if said is not None and self.rank == 0:
+                warnings.warn(said, UnevenBatchWarning, stacklevel=3)
 
     def accumulation(self) -> contextlib.AbstractContextManager[bool]:
         """Wrap forward and backward of one micro-batch: on all but the last of `accumulate`

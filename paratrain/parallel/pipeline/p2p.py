@@ -96,7 +96,9 @@ class StageLinks:
                                tag=self._tag_in)
             header = comm.recv(torch.empty(int(length), dtype=torch.uint8, device=self.device),
                                self.prev, self.group, tag=self._tag_in)
-            self._in[self._key] = _decode(header)
+            spec, metas, inputs = _decode(header)
+            self._check_same_batch(inputs)
+            self._in[self._key] = spec, metas
         spec, metas = self._in[self._key]
         leaves = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
         return Pending(leaves, [comm.irecv(t, self.prev, self.group, tag=self._tag_in) for t in leaves], spec)
@@ -114,7 +116,7 @@ class StageLinks:
         self._out = [(t.shape, t.dtype) for t in floating(leaves)]
         message = [t.detach().contiguous() for t in leaves]
         if self._key not in self._announced:
-            header = _encode(spec, leaves, self.device)
+            header = _encode(spec, leaves, self.device, inputs=self._key)
             message = [torch.tensor([header.numel()], dtype=torch.int64, device=self.device), header] + message
             self._announced.add(self._key)
         self._isend(message, self.next, self._tag_out)
@@ -141,6 +143,20 @@ class StageLinks:
                 handle.wait()
         self._sends.clear()
 
+    def _check_same_batch(self, theirs: list | None) -> None:
+        """The previous stage cut its micro-batches from a batch of the shapes this one's has: else
+        each stage would train on other samples, and the last stage's loss pair outputs with
+        another rank's targets (torch raises only if their sizes happen to differ)."""
+        ours = [list(shape) for shape in self._key]
+        if theirs is None or theirs == ours:
+            return
+        raise UsageError(f"every stage of a pipeline must be given the same batch, and they differ: stage "
+                         f"{self.stage - 1} (pipeline rank {self.prev}) cut micro-batches of shapes {theirs} "
+                         f"from its batch, stage {self.stage} (pipeline rank {dist.get_rank(self.group)}) "
+                         f"micro-batches of shapes {ours}. Pass every rank of a pipeline the whole batch (inputs "
+                         "and targets) of its replica: session.setup's loader does; a hand-fed batch must be "
+                         "the same on every stage")
+
     def _isend(self, message: list[torch.Tensor], peer: int, tag: int) -> None:
         for handle in self._sends.pop(tag, []):  # the previous message on this link
             handle.wait()
@@ -158,21 +174,23 @@ def broadcast_output(y: torch.Tensor | None, src: int, group: dist.ProcessGroup 
         comm.broadcast(header, src, group)
         return comm.broadcast(y.contiguous(), src, group)
     length = comm.broadcast(torch.zeros(1, dtype=torch.int64, device=device), src, group)
-    _, [(shape, dtype)] = _decode(comm.broadcast(torch.empty(int(length), dtype=torch.uint8, device=device),
+    _, [(shape, dtype)], _ = _decode(comm.broadcast(torch.empty(int(length), dtype=torch.uint8, device=device),
                                                  src, group))
     return comm.broadcast(torch.empty(shape, dtype=dtype, device=device), src, group)
 
 
-def _encode(spec: Any, leaves: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The tree structure and each leaf's shape and dtype, as JSON bytes in a uint8 tensor."""
-    text = json.dumps({"spec": treespec_dumps(spec),
+def _encode(spec: Any, leaves: list[torch.Tensor], device: torch.device, inputs: Hashable = None) -> torch.Tensor:
+    """The tree structure and each leaf's shape and dtype, and the shapes of the input
+    micro-batch they came from, as JSON bytes in a uint8 tensor."""
+    text = json.dumps({"spec": treespec_dumps(spec), "inputs": inputs,
                        "leaves": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in leaves]})
     return torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
 
 
-def _decode(header: torch.Tensor) -> tuple[Any, list[Meta]]:
+def _decode(header: torch.Tensor) -> tuple[Any, list[Meta], list | None]:
     data = json.loads(bytes(header.cpu().tolist()).decode())
-    return treespec_loads(data["spec"]), [(torch.Size(shape), getattr(torch, dtype)) for shape, dtype in data["leaves"]]
+    metas = [(torch.Size(shape), getattr(torch, dtype)) for shape, dtype in data["leaves"]]
+    return treespec_loads(data["spec"]), metas, data["inputs"]
 
 
 def _check_leaves(leaves: list[Any]) -> None:
