@@ -46,6 +46,7 @@ ENV = "PARATRAIN_FLIGHT_RECORDER"  # 0/off: no recorder; N: keep the last N oper
 # whole paratrain package, of which this file is paratrain/debug/flight_recorder.py
 _NOT_USER = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep,
              "<frozen ")
+_PAIR_CLOSED = "Application timeout caused pair closure"  # gloo's word for the others (Entry.failed)
 _not_user_code: dict = {}  # code object -> bool: each file path is tested once
 
 
@@ -123,9 +124,14 @@ class Entry:
         return True
 
     def failed(self, error: BaseException) -> None:
-        """Raised: the error's first sentence, without gloo's source location ("[…/pair.cc:553]")."""
+        """Raised: the error's first sentence, without gloo's source location ("[…/pair.cc:553]").
+        When one operation on a gloo connection times out, gloo closes it and fails the others
+        pending on it with "Application timeout caused pair closure"; which of them times out
+        first is a race, so every one of them says it timed out."""
         lines = str(error).strip().splitlines()
         message = re.split(r"(?<=\.)\s", re.sub(r"^\[[^\]]+:\d+\]\s*", "", lines[0] if lines else ""))[0]
+        if message.startswith(_PAIR_CLOSED):
+            message = f"Timed out: gloo closed the connection when an operation on it timed out ({_PAIR_CLOSED})"
         text = f"{type(error).__name__}: {message}" if message else type(error).__name__
         self.state, self.ended, self.error = "failed", time.time(), text[:200]
 

@@ -179,6 +179,13 @@ def test_an_async_collective_whose_future_fails_is_recorded_failed_not_completed
     assert not failed.settled(future)
     assert (failed.state, failed.error) == ("failed", "RuntimeError: Timed out waiting 5000ms for recv "
                                                       "operation to complete.")
+    # the other operations pending on that connection: gloo closed it, and they timed out too
+    closed = ring.start("broadcast", (0, 1), [], 0, None, None)
+    future = torch.futures.Future()
+    future.set_exception(RuntimeError("Application timeout caused pair closure"))
+    assert not closed.settled(future)
+    assert closed.error == ("RuntimeError: Timed out: gloo closed the connection when an operation on it timed "
+                            "out (Application timeout caused pair closure)")
     future = torch.futures.Future()
     future.set_result([torch.ones(1)])
     assert completed.settled(future) and completed.state == "started"  # done once every work is
