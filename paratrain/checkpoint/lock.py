@@ -15,6 +15,10 @@ A lock found there already is taken over when it is stale:
 Otherwise the second job gets a ConfigError naming the first. `Session.close()` releases the lock,
 and so does the interpreter's exit; a killed job leaves it, stale.
 
+A lock (or the whole root) deleted while its job runs is recreated at the job's next
+checkpoint(), with a CheckpointWarning saying what was deleted; when another job took the root
+meanwhile, that job is named (a ConfigError) as for any second job.
+
 A `save(path)` outside `checkpoint()` takes no lock, but refuses a root another live job holds.
 """
 
@@ -93,6 +97,8 @@ def check_not_locked(root: Path) -> None:
 def _acquire(root: Path) -> Path:
     """Rank 0: create the lock file, take over a stale one, or raise naming the job that holds it."""
     path = root / LOCK
+    if root in _HELD and not path.exists() and _recreated(root, path):
+        return path
     if root in _HELD:
         if _read(path) != _HELD[root].record:
             raise ConfigError(f"the lock on checkpoint root {root} was taken by another job since this "
@@ -116,6 +122,20 @@ def _acquire(root: Path) -> Path:
         # next checkpoint(), which finds someone else's record in the file.
         path.unlink(missing_ok=True)
     return path
+
+
+def _recreated(root: Path, path: Path) -> bool:
+    """The lock this job holds on `root` is gone: the root was deleted (with its checkpoints), or
+    the lock file alone (by hand, or by a job that judged it stale). Take it again, saying so;
+    False when another job took it first (the caller then names that job)."""
+    what = f"the lock file {path}" if root.is_dir() else f"checkpoint root {root}, with its lock and checkpoints,"
+    root.mkdir(parents=True, exist_ok=True)
+    if not _create(path):
+        return False
+    warnings.warn(f"{what} was deleted while this job held the lock on {root}; paratrain recreated it and "
+                  "goes on writing there. Checkpoints deleted with it are gone; delete a job's lock only "
+                  "once the job has ended", CheckpointWarning, stacklevel=3)
+    return True
 
 
 def _create(path: Path) -> bool:

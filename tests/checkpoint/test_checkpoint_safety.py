@@ -6,6 +6,8 @@ import contextlib
 import errno
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -266,6 +268,34 @@ def test_a_lock_left_under_this_very_pid_by_an_earlier_process_is_taken_over(tmp
     checkpoint.lock_root(tmp_path.parent / f"{tmp_path.name}-link", owner=owner)
     checkpoint.unlock_roots(owner=owner)
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("deleted", ["lock", "root"])
+def test_a_lock_or_root_deleted_while_the_job_runs_is_recreated_and_named(tmp_path, deleted):
+    """Not "taken by another job … an unknown job": this job's own lock went, and it says so. A
+    job that took the root meanwhile is still named as any second job is."""
+    root = tmp_path / "run"
+    session, model, _ = _one_process()
+    xs, ys = make_batches(2, 8)
+    session.train_step((xs[0], ys[0]), F.cross_entropy)
+    session.checkpoint(root)
+    if deleted == "lock":
+        (root / "paratrain.lock").unlink()
+    else:
+        shutil.rmtree(root)
+    session.train_step((xs[1], ys[1]), F.cross_entropy)
+    what = f"the lock file {root / 'paratrain.lock'}" if deleted == "lock" else f"checkpoint root {root}, with"
+    with pytest.warns(checkpoint.CheckpointWarning, match=re.escape(what) + ".* was deleted while this job held "
+                      "the lock on .*; paratrain recreated it"):
+        session.checkpoint(root)
+    assert json.loads((root / "paratrain.lock").read_text())["pid"] == os.getpid()
+    assert _steps_in(root) == (["step-00000002"] if deleted == "root" else ["step-00000001", "step-00000002"])
+    (root / "paratrain.lock").unlink()
+    _write_lock(root, host="node-17")  # another job, alive, took the root meanwhile
+    with pytest.raises(pt.ConfigError, match="was taken by another job since this one took it: job 4242"):
+        session.checkpoint(root)
+    (root / "paratrain.lock").unlink()
+    session.close()
 
 
 def _one_process(model=None, accumulate=1, loader=None):
