@@ -23,6 +23,7 @@ from paratrain.checkpoint.files import (
     DamagedCheckpoint,
     FileError,
     describe_failure,
+    full_disk,
     listed_files,
     os_cause,
     own_file,
@@ -55,6 +56,10 @@ class NamedFS(FileSystem):
         # report the bare error only
         except (_WRITE_ERRORS if writing else _READ_ERRORS) as e:  # noqa: B030
             raise FileError(f"{os_cause(e)} writing {name}" if writing else f"{name} {_read_cause(e)}") from e
+        except RuntimeError as e:  # torch.save's zip writer, short of space: "unexpected pos 704 vs 598"
+            if writing and (full := full_disk(Path(path).parent)):
+                raise FileError(f"{full} writing {name} ({type(e).__name__}: {str(e)[:120]})") from e
+            raise
         if writing:
             self.written.add(name)
 

@@ -188,6 +188,24 @@ def os_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:200]}"
 
 
+FULL_BELOW = 16 << 20  # bytes: a write that failed with less free than this failed for want of space
+
+
+def full_disk(directory: Path) -> str | None:
+    """'no space left on device (ENOSPC: 12 KiB free on the file system holding DIR)' when that file
+    system is full, else None. torch.save's zip writer meets a full disk as a short write and says
+    only "unexpected pos 704 vs 598", so a write that failed so is judged by the space left."""
+    try:
+        fs = os.statvfs(directory)
+    except (OSError, AttributeError):  # gone, or Windows
+        return None
+    blocks = fs.f_bfree if os.geteuid() == 0 else fs.f_bavail  # root may write into the reserved blocks
+    free = blocks * fs.f_frsize
+    if free >= FULL_BELOW:
+        return None
+    return f"no space left on device (ENOSPC: {free >> 10} KiB free on the file system holding {directory})"
+
+
 def describe_failure(e: BaseException) -> str:
     """The root cause of a DCP CheckpointException in one line: each distinct per-rank failure with
     its ranks, instead of DCP's str() of every rank's full traceback."""

@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     except ChildFailedError as e:
         return postmortem.report(e, notes)
     except SignalException as e:  # the agent has already stopped the workers (SIGTERM, then SIGKILL)
-        return _stopped_by(e.sigval, worker.preempted_ranks(notes), args.nproc_per_node)
+        return _stopped_by(e.sigval, worker.preempted_ranks(notes), args.nproc_per_node,
+                           worker.preempted_ranks(notes, failed=True))
     except (RendezvousError, dist.DistError) as e:  # the agents never met; no worker started
         _report_no_meeting(args, e)
         return 1
@@ -56,15 +57,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stopped_by(sigval: signal.Signals, preempted: dict[int, str], local_ranks: int) -> int:
+def _stopped_by(sigval: signal.Signals, preempted: dict[int, str], local_ranks: int,
+                failed: dict[int, str] | None = None) -> int:
     """0 when every rank here checkpointed on the signal and left on its own (Session(
     checkpoint_on_preempt=...)): the job stopped as asked and resumes from that checkpoint; else
-    the shell's status for a process killed by the signal."""
-    if len(preempted) >= local_ranks:
+    the shell's status for a process killed by the signal, with why the ranks' checkpoint on the
+    signal failed (`failed`: rank → error) where one did."""
+    if len(preempted) >= local_ranks and not failed:
         print(f"paratrain run: stopped by {sigval.name}; every rank checkpointed "
               f"({next(iter(preempted.values()))}) and exited 0", file=sys.stderr)
         return 0
-    print(f"paratrain run: stopped by {sigval.name}", file=sys.stderr)
+    line = f"paratrain run: stopped by {sigval.name}"
+    if failed:
+        errors = {error: [r for r, e in sorted(failed.items()) if e == error] for error in failed.values()}
+        why = "; ".join(f"{'ranks' if len(r) > 1 else 'rank'} {', '.join(map(str, r))}: {error}"
+                        for error, r in errors.items())
+        line += (f"; the checkpoint on {sigval.name} failed ({why}). A resume starts from the newest checkpoint "
+                 "saved before it")
+    print(line, file=sys.stderr)
     return 128 + int(sigval)
 
 

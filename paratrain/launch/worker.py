@@ -177,23 +177,26 @@ def script_ended() -> None:
         end()
 
 
-def note_preempted(checkpoint: str, env=os.environ) -> None:
+def note_preempted(checkpoint: str | None, env=os.environ, error: str | None = None) -> None:
     """Tell `paratrain run` that this rank checkpointed on preemption and leaves with status 0
-    (`<pid>.preempted`): when every rank on the node did, the launcher exits 0 too, not 128+signal."""
+    (`<pid>.preempted`): when every rank on the node did, the launcher exits 0 too, not 128+signal.
+    `error`: the checkpoint failed (a full disk), and why; the launcher says so."""
     if env.get(REPORT_DIR) and os.getppid() == _int_or_none(env.get(LAUNCHER_PID)):
         _write(os.path.join(env[REPORT_DIR], f"{os.getpid()}.preempted"),
-               dict(rank=int(env.get("RANK", 0)), checkpoint=checkpoint))
+               dict(rank=int(env.get("RANK", 0)), checkpoint=checkpoint, error=error))
 
 
-def preempted_ranks(directory: str) -> dict[int, str]:
-    """The ranks that left a `note_preempted` in `directory`, and the checkpoint each wrote."""
+def preempted_ranks(directory: str, failed: bool = False) -> dict[int, str]:
+    """The ranks that left a `note_preempted` in `directory`, and the checkpoint each wrote;
+    `failed`: those whose checkpoint failed, and why."""
     ranks = {}
     for name in os.listdir(directory):
         if name.endswith(".preempted"):
             try:
                 with open(os.path.join(directory, name)) as f:
                     note = json.load(f)
-                ranks[note["rank"]] = note["checkpoint"]
+                if bool(note.get("error")) == failed:
+                    ranks[note["rank"]] = note["error"] if failed else note["checkpoint"]
             except (OSError, ValueError, KeyError):
                 pass  # a half-written note is no note
     return ranks

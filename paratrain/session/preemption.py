@@ -53,7 +53,11 @@ class Preemption:
     def checkpoint_and_exit(self, session: "Session", signum: int) -> None:
         """Write the checkpoint every rank agreed on, and leave with status 0. It prunes nothing:
         the run's own checkpoint(root, keep=...) calls decide what is kept."""
-        path = session.checkpoint(self.root, keep=0)
+        try:
+            path = session.checkpoint(self.root, keep=0)
+        except Exception as e:  # `paratrain run` says why, not only "stopped by SIGTERM"
+            worker.note_preempted(None, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+            raise
         session.print(f"preempted by {signal.Signals(signum).name}: saved {path}; resume with "
                       f"session.resume({self.root!r})")
         session.close()

@@ -198,6 +198,60 @@ def test_a_full_disk_on_one_rank_is_named_on_every_rank(tmp_path):
                                "writing __1_0.distcp (rank 1)")
 
 
+class _ZipWriterShortOfSpace(_FullDisk):
+    """A full disk as torch.save's zip writer meets it (a short write): no errno, only its check
+    (test_a_real_full_disk_is_named meets the real one where a tmpfs can be mounted)."""
+
+    def write(self, data):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
+def _save_error(path, model) -> str:
+    with pytest.raises(pt.CheckpointError) as error:
+        checkpoint.save(path, model)
+    return str(error.value).splitlines()[0]
+
+
+@pytest.mark.parametrize("free_after", [0, 1 << 30])
+def test_a_disk_full_inside_torch_saves_zip_writer_is_named(tmp_path, monkeypatch, free_after):
+    """Judged by the space left when the write failed: a full file system is named; with room
+    left the zip writer's own error stands."""
+    real_statvfs = os.statvfs
+
+    @contextlib.contextmanager
+    def short(self, path, mode):
+        with open(path, mode) as stream:
+            yield _ZipWriterShortOfSpace(stream) if "w" in mode else stream
+
+    def statvfs(path):
+        real = real_statvfs(path)
+        blocks = free_after // real.f_frsize
+        return os.statvfs_result((real.f_bsize, real.f_frsize, real.f_blocks, blocks, blocks, *real[5:]))
+
+    monkeypatch.setattr(FileSystem, "create_stream", short)
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    line = _save_error(tmp_path / "c", torch.nn.Linear(64, 64))
+    if free_after == 0:
+        assert line.startswith(f"saving {tmp_path / 'c'} failed: no space left on device (ENOSPC: 0 KiB free on the "
+                               f"file system holding {tmp_path / 'c.partial'}) writing __0_0.distcp"), line
+    else:
+        assert "unexpected pos" in line and "ENOSPC" not in line, line
+
+
+def test_a_real_full_disk_is_named(tmp_path):
+    """The same on a 256 KiB tmpfs, where this machine lets a test mount one (root, Linux)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        line = _save_error(disk / "c", torch.nn.Linear(300, 300))
+        assert line.startswith(f"saving {disk / 'c'} failed: no space left on device (ENOSPC"), line
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 # -- 5. one writing job per root ----------------------------------------------------------------
 
 

@@ -28,6 +28,28 @@ SCRIPT = textwrap.dedent('''
     import paratrain as pt
 
     out, slow = sys.argv[1], float(sys.argv[2])
+    if sys.argv[3:] == ["full-disk"]:  # every checkpoint file's writes fail as on a full disk
+        import contextlib, errno, os
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        class Full:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def write(self, data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            def __getattr__(self, name):
+                return getattr(self.stream, name)
+
+        real = FileSystem.create_stream
+
+        @contextlib.contextmanager
+        def full(self, file, mode):
+            with real(self, file, mode) as stream:
+                yield Full(stream) if "w" in mode else stream
+
+        FileSystem.create_stream = full
     session = pt.Session("ddp", checkpoint_on_preempt=f"{out}/ckpt", progress_bar=False, seed=3)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
@@ -48,11 +70,12 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _launch(tmp_path, out, slow):
+def _launch(tmp_path, out, slow, *more):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     os.makedirs(out, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", "paratrain", "run", "-n", "2", str(script), str(out), str(slow)],
+    return subprocess.Popen([sys.executable, "-m", "paratrain", "run", "-n", "2", str(script), str(out), str(slow),
+                             *more],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -86,6 +109,23 @@ def test_sigterm_checkpoints_at_a_step_and_the_requeued_job_ends_as_if_never_sto
     assert f"resumed at step {stopped_at}" in again.stdout.read()
     resumed, expected = torch.load(out / "final.pt"), torch.load(tmp_path / "whole" / "final.pt")
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)
+
+
+def test_a_preemption_checkpoint_that_fails_is_named_by_the_launcher(tmp_path):
+    """A full disk: not only "stopped by SIGTERM", but that the checkpoint failed, and why."""
+    out = tmp_path / "full"
+    job = _launch(tmp_path, out, 0.2, "full-disk")
+    deadline = time.monotonic() + 90
+    while _step(out) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    code, stderr = job.wait(timeout=60), job.stderr.read()
+    summary = [line for line in stderr.splitlines() if line.startswith("paratrain run: stopped by")]
+    assert code == 143 and summary, stderr[-3000:]
+    assert summary[0].startswith(f"paratrain run: stopped by SIGTERM; the checkpoint on SIGTERM failed (ranks 0, 1: "
+                                 f"CheckpointError: saving {out / 'ckpt'}/step-"), summary[0]
+    assert "no space left on device (ENOSPC)" in summary[0], summary[0]
+    assert summary[0].endswith("A resume starts from the newest checkpoint saved before it"), summary[0]
 
 
 def test_the_preemption_checkpoint_prunes_none_of_the_runs_own(tmp_path):
