@@ -1,6 +1,6 @@
 """examples/gpt.py as a user runs it: two processes through `paratrain run` with ddp, zero3, a
 two-stage pipeline (the token embedding on stage 0 tied to the head on stage 1) and tensor
-parallelism over both (`--tp 2`),
+parallelism over both (`--tp 2`), and context parallelism (`--cp 2`: each sequence cut over both),
 and one in-process single run as the reference. A small model, 200 steps: each run must learn
 (validation loss well below the uniform guess ln 96, and below the unigram plateau near 3.3)
 and write its files. The two-rank runs must also match the single run at the first validation
@@ -64,7 +64,8 @@ def test_single_run_learns(single):
 
 
 @pytest.mark.parametrize("strategy,extra", [("ddp", []), ("zero3", []), ("pipeline", []),
-                                            ("zero3", ["--activation-checkpointing"]), ("ddp", ["--tp", "2"])])
+                                            ("zero3", ["--activation-checkpointing"]), ("ddp", ["--tp", "2"]),
+                                            ("ddp", ["--cp", "2"])])
 def test_two_ranks_learn_as_one_does(strategy, extra, single, tmp_path):
     cmd = [sys.executable, "-m", "paratrain", "run", "-n", "2", "examples/gpt.py", *SMALL,
            "--strategy", strategy, *extra, "--out", str(tmp_path)]
