@@ -432,6 +432,10 @@ MUTANTS = [
            (("            return self.cut.positions(kwargs.get(\"device\")).to(kwargs.get(\"dtype\") or torch.int64)",
              "            return func(*args, **kwargs)"),),
            ("tests/parallel/context/test_context_parallel.py",)),
+    Mutant("cp-all-gather-local-mask", "all-gather attention masks the gathered keys by local, not global, positions",
+           (("        mask = theirs[None, :] <= mine[:, None]  # (L, S)",
+             "        mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(local, device=q.device)[:, None]"),),
+           ("tests/parallel/context/test_ring_attention.py",)),
 ]
 
 

@@ -3,7 +3,8 @@ the training step (model.py), a torch function mode routes the calls that would 
 only the local tokens.
 
     F.scaled_dot_product_attention(q, k, v, is_causal=...)
-                    → ring attention over the cp group (ring.py), or all-to-all (ulysses.py);
+                    → ring attention over the cp group (ring.py), all-to-all (ulysses.py) or
+                      all-gather (all_gather.py);
                       the same arguments: causal or full, `scale`, `enable_gqa`
     torch.arange(n), n the local sequence length
                     → the global positions of this rank's tokens (sharding.positions), so rotary
@@ -36,6 +37,7 @@ from paratrain.components.activation_checkpointing import RECOMPUTE_STATE
 from paratrain.distributed.comm import ByteCounter
 from paratrain.errors import UsageError
 from paratrain.parallel.context import sharding
+from paratrain.parallel.context.all_gather import all_gather_attention
 from paratrain.parallel.context.ring import ring_attention
 from paratrain.parallel.context.ulysses import all_to_all_attention
 
@@ -48,7 +50,7 @@ class Cut:
     rank: int
     cp: int
     length: int  # the whole sequence's tokens
-    mode: str = "ring"  # or "all-to-all"
+    mode: str = "ring"  # or "all-to-all", "all-gather"
     arange: bool = True  # torch.arange(local length) gives the global positions
     counter: ByteCounter | None = None  # bytes of K and V sent, when counted
 
@@ -125,6 +127,8 @@ class _Router(TorchFunctionMode):
                              "key heads without enable_gqa=True (torch refuses it too)")
         if cut.mode == "all-to-all":
             return all_to_all_attention(query, key, value, cut.group, causal=is_causal, scale=scale)
+        if cut.mode == "all-gather":
+            return all_gather_attention(query, key, value, cut.group, causal=is_causal, scale=scale, counter=cut.counter)
         return ring_attention(query, key, value, cut.group, causal=is_causal,
                               scale=1 / math.sqrt(query.shape[-1]) if scale is None else scale, counter=cut.counter)
 

@@ -51,7 +51,7 @@ from paratrain.parallel.tensor.parallelize import Cut, parallelize
 from paratrain.parallel.tensor.plan import plan_for
 from paratrain.parallel.zero import ZeRO
 
-CP_MODES = ("ring", "all-to-all")
+CP_MODES = ("ring", "all-to-all", "all-gather")
 
 # what may run over the tp groups, by name (the registry's names for these four)
 DATA_PARALLEL = {"ddp": DDP, "zero1": functools.partial(ZeRO, stage=1), "zero2": functools.partial(ZeRO, stage=2),
@@ -69,7 +69,7 @@ class Mesh(Strategy):
     tp_plan: Mapping[str, str] | None = None  # module pattern → style; None: the model's (plan.py)
     pp: Pipeline | None = None  # a pipeline of tensor-parallel stages (its replicas are the dp ranks)
     cp: int = 1  # ranks that split each sequence (parallel/context/)
-    cp_mode: str = "ring"  # "ring" (K, V passed around) or "all-to-all" (heads scattered: Ulysses)
+    cp_mode: str = "ring"  # "ring" (K, V passed around), "all-to-all" (heads scattered: Ulysses), "all-gather"
     cp_positions: bool = True  # under cp, torch.arange(local length) gives the tokens' global positions
     replicate: int = 1  # not yet: hybrid sharding
     sequence_parallel: bool = False  # not yet
@@ -84,7 +84,8 @@ class Mesh(Strategy):
             raise ConfigError(f"Mesh(cp=...) is the number of ranks that split each sequence, a positive integer; "
                               f"got {self.cp!r}")
         if self.cp_mode not in CP_MODES:
-            raise ConfigError(f"Mesh(cp_mode={self.cp_mode!r}): choose {' or '.join(map(repr, CP_MODES))}")
+            raise ConfigError(f"Mesh(cp_mode={self.cp_mode!r}): choose {', '.join(map(repr, CP_MODES[:-1]))} or "
+                              f"{CP_MODES[-1]!r}")
         later = [k for k, given, default in (("replicate", self.replicate, 1),
                                              ("sequence_parallel", self.sequence_parallel, False))
                  if given is not default and given != default]

@@ -94,12 +94,14 @@ def assert_close(got, want, atol=1e-6):
 
 CASES = {  # world → (strategy, training settings), run in one job each
     2: [(pt.Mesh(cp=2), {}), (pt.Mesh(cp=2), dict(positioned=True)), (pt.Mesh(cp=2, cp_mode="all-to-all"), {}),
+        (pt.Mesh(cp=2, cp_mode="all-gather"), dict(masked=True)),
         (pt.Mesh(cp=2), dict(masked=True)), (pt.Mesh(cp=2), dict(masked=True, weight="tokens")),
         (pt.Mesh(cp=2), dict(hf=True)), (pt.Mesh(cp=2), dict(hf=True, weight="tokens")),
         # each rank of a tp group passes the same weight: normalised by the world, not the replicas
         (pt.Mesh(tp=2), dict(masked=True, weight="tokens")), (pt.Mesh(cp=2), dict(masked=True, ckpt=True))],
     4: [(pt.Mesh(cp=2, dp="ddp"), dict(masked=True)), (pt.Mesh(cp=2, dp="zero3"), {}), (pt.Mesh(cp=2, tp=2), {}),
-        (pt.Mesh(cp=4), dict(masked=True)), (pt.Mesh(cp=2, dp="zero1"), dict(masked=True, weight="tokens"))],
+        (pt.Mesh(cp=4), dict(masked=True)), (pt.Mesh(cp=2, dp="zero1"), dict(masked=True, weight="tokens")),
+        (pt.Mesh(cp=4, cp_mode="all-gather"), {})],
 }
 
 
@@ -175,7 +177,7 @@ def test_what_cp_cannot_cut_or_route_is_refused_by_name():
 def test_mesh_refuses_bad_cp_settings_before_any_rank_starts():
     with pytest.raises(ConfigError, match="a positive integer; got 0"):
         pt.Mesh(cp=0)
-    with pytest.raises(ConfigError, match="choose 'ring' or 'all-to-all'"):
+    with pytest.raises(ConfigError, match="choose 'ring', 'all-to-all' or 'all-gather'"):
         pt.Mesh(cp=2, cp_mode="ulysses")
     with pytest.raises(ConfigError, match=r"Mesh\(cp=..., pp=...\) is not supported yet"):
         pt.Mesh(cp=2, pp=pt.Pipeline(stages=2, microbatches=2))

@@ -1,4 +1,5 @@
-"""Ring attention (parallel/context/ring.py) against full attention on the gathered sequence:
+"""Ring attention (parallel/context/ring.py), and the all-to-all and all-gather variants, against
+full attention on the gathered sequence:
 outputs and the gradients of q, k and v, causal and full, grouped-query heads, at cp 2, 3 and 4,
 in float64; and the bytes of K and V each rank sends."""
 
@@ -88,3 +89,27 @@ def test_all_to_all_attention_equals_full_attention(causal):
     for i, name in enumerate(["output", "dq", "dk", "dv"]):
         got = sharding.restore([r[i] for r in results], dim=2)
         assert torch.allclose(got, want[i], atol=1e-6, rtol=0), (name, (got - want[i]).abs().max().item())
+
+
+def on_all_gather(topo, length, causal):
+    from paratrain.parallel.context.all_gather import all_gather_attention
+    topo.init(timeout=60)
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    q, k, v, grad = (sharding.cut(t, rank, cp, dim=2).requires_grad_(i < 3) for i, t in enumerate(inputs(length)))
+    counter = ByteCounter()
+    out = all_gather_attention(q, k, v, dist.group.WORLD, causal=causal, counter=counter)
+    out.backward(grad)
+    return [t.detach() for t in (out, q.grad, k.grad, v.grad)], counter.sent
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_all_gather_attention_equals_full_attention(cp, causal):
+    length = 4 * cp * 2
+    results = run_on_ranks(on_all_gather, cp, length, causal, timeout=120)
+    want = full(length, causal)
+    for i, name in enumerate(["output", "dq", "dk", "dv"]):
+        got = sharding.restore([r[0][i] for r in results], dim=2)
+        assert torch.allclose(got, want[i], atol=1e-6, rtol=0), (name, (got - want[i]).abs().max().item())
+    whole_kv = 2 * B * HKV * length * D * 8  # the all-gather sends what the ring does: (cp−1)/cp of K and V
+    assert [sent for _, sent in results] == [whole_kv * (cp - 1) // cp] * cp
