@@ -15,10 +15,19 @@ steps, on rank r of the ring:
               saved log-sum-exp (nothing of size L×L is kept between forward and backward), so
               the memory kept per rank is that of q, k, v and the output: 1/cp of the whole.
 
-Causal attention masks by global positions (the cut is not contiguous): a block whose keys all
-come after the queries is skipped, one whose keys all come before is computed unmasked. The
-block arithmetic is the math path in at least float32 (float64 stays float64): exact and
-readable, and the same on every device.
+Causal attention needs no mask of global positions: with the head-tail cut (rank r holds chunks
+r and 2·cp−1−r) each block is one of three shapes (`_block`), as in Megatron-core and torch's
+`context_parallel`:
+
+    its own block           causal in local order (a rank's positions increase along its tokens)
+    a lower rank's block    every query sees the block's first chunk, none its second
+    a higher rank's block   the second chunk of queries sees the whole block, the first nothing
+
+So every block is plain causal or full attention on slices, which a fused kernel computes with
+its log-sum-exp: on the CPU torch's flash attention kernel (aten's
+_scaled_dot_product_flash_attention_for_cpu, and its backward, which recomputes the block's
+probabilities from the final output and log-sum-exp); elsewhere the math path below, which keeps
+L×L scores of one block at a time. Both in at least float32 (float64 stays float64).
 """
 
 from __future__ import annotations
@@ -29,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from paratrain.distributed.comm import ByteCounter, count_bytes, global_rank, nbytes
-from paratrain.parallel.context import sharding
 
 KV_TAG, GRAD_TAG = 1, 2  # the two kinds of message of one ring, kept apart on gloo (NCCL orders by issue)
 
@@ -79,17 +87,17 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale, counter):
         ring = _Ring(group)
         acc = torch.promote_types(q.dtype, torch.float32)
-        masks = _Masks(q.shape[2], ring, causal, q.device)
+        qa = q.to(acc)
         kv = torch.stack((k, v))  # one message per step
-        out = lse = None
+        out = torch.zeros_like(qa)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         for step in range(ring.size):
             owner = (ring.rank - step) % ring.size
             incoming = ring.pass_on(kv, KV_TAG, counter) if step < ring.size - 1 else None
-            mask = masks.of(owner)
-            if mask is not False:
-                block_out, block_lse = _attend(q.to(acc), _heads(kv[0], q).to(acc), _heads(kv[1], q).to(acc),
-                                               scale, mask)
-                out, lse = (block_out, block_lse) if out is None else _merge(out, lse, block_out, block_lse)
+            rows, keys, is_causal = _block(ring.rank, owner, q.shape[2], causal)
+            block_out, block_lse = _attend(qa[:, :, rows], _heads(kv[0], q)[:, :, keys].to(acc),
+                                           _heads(kv[1], q)[:, :, keys].to(acc), scale, is_causal)
+            out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if incoming is not None:
                 kv = incoming.wait()
         # laid out (B, L, H, D) in memory as flash attention's output is: the model's
@@ -104,23 +112,21 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.group)
         acc = out.dtype
-        masks = _Masks(q.shape[2], ring, ctx.causal, q.device)
         grad_out = grad_out.to(acc)
         qa = q.to(acc)
-        delta = (grad_out * out).sum(-1)  # rowsum(dO ∘ O): the softmax's backward (flash attention)
         grad_q = torch.zeros_like(qa)
         kv = torch.stack((k, v))
         passing = None  # the accumulator of the gradient of the K, V block held now, in flight to here
         for step in range(ring.size):
             owner = (ring.rank - step) % ring.size
             incoming = ring.pass_on(kv, KV_TAG) if step < ring.size - 1 else None
+            rows, keys, is_causal = _block(ring.rank, owner, q.shape[2], ctx.causal)
+            dq, dk, dv = _attend_backward(qa[:, :, rows], _heads(kv[0], q)[:, :, keys].to(acc),
+                                          _heads(kv[1], q)[:, :, keys].to(acc), grad_out[:, :, rows],
+                                          out[:, :, rows], lse[:, :, rows], ctx.scale, is_causal)
+            grad_q[:, :, rows] += dq
             grad_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            mask = masks.of(owner)
-            if mask is not False:
-                dq, dk, dv = _attend_backward(qa, _heads(kv[0], q).to(acc), _heads(kv[1], q).to(acc), grad_out,
-                                              lse, delta, ctx.scale, mask)
-                grad_q += dq
-                grad_kv[0], grad_kv[1] = _kv_heads(dk, k), _kv_heads(dv, k)
+            grad_kv[0][:, :, keys], grad_kv[1][:, :, keys] = _kv_heads(dk, k), _kv_heads(dv, k)
             if passing is not None:
                 grad_kv += passing.wait()  # what the ranks before added to this block's gradient
             passing = ring.pass_on(grad_kv, GRAD_TAG) if ring.size > 1 else None
@@ -131,20 +137,16 @@ class _RingAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None
 
 
-class _Masks:
-    """Which of this rank's queries may see which keys of the block a rank owns: None (all),
-    False (none: the block is skipped) or a (L, L) boolean mask, by global positions."""
+ALL = slice(None)
 
-    def __init__(self, local: int, ring: _Ring, causal: bool, device):
-        self.causal, self.size, self.local, self.device = causal, ring.size, local, device
-        self.queries = sharding.positions(local * ring.size, ring.rank, ring.size, device)
 
-    def of(self, owner: int) -> torch.Tensor | bool | None:
-        if not self.causal:
-            return None
-        keys = sharding.positions(self.local * self.size, owner, self.size, self.device)
-        mask = keys[None, :] <= self.queries[:, None]
-        return None if bool(mask.all()) else False if not bool(mask.any()) else mask
+def _block(rank: int, owner: int, local: int, causal: bool) -> tuple[slice, slice, bool]:
+    """(this rank's queries, the keys of `owner`'s block they see, whether causally): see the
+    module docstring. Each half of a rank's tokens is one chunk of the cut (sharding.chunks_of)."""
+    half = local // 2
+    if not causal or owner == rank:
+        return ALL, ALL, causal
+    return (ALL, slice(0, half), False) if owner < rank else (slice(half, None), ALL, False)
 
 
 def _heads(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -161,35 +163,45 @@ def _kv_heads(grad: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return grad if groups == 1 else grad.view(b, kv.shape[1], groups, length, d).sum(2)
 
 
-def _attend(q, k, v, scale, mask):
-    """(softmax(q kᵀ · scale) v, the log-sum-exp of each query's scores); a query that sees no key
-    gets a zero output and a log-sum-exp of −inf, which the merge weighs by zero."""
-    scores = _scores(q, k, scale, mask)
+def _fused(q: torch.Tensor) -> bool:
+    """torch's CPU flash attention kernel takes these (and returns the log-sum-exp)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+
+
+def _attend(q, k, v, scale, causal):
+    """(softmax(q kᵀ · scale) v, the log-sum-exp of each query's scores), causal in local order or full."""
+    if _fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    scores = _scores(q, k, scale, causal)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
-    return probs @ v, lse
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
 
-def _attend_backward(q, k, v, grad_out, lse, delta, scale, mask):
-    """dq, dk, dv of one block, its probabilities recomputed from the final log-sum-exp."""
-    probs = torch.exp(_scores(q, k, scale, mask) - _finite(lse).unsqueeze(-1))
+def _attend_backward(q, k, v, grad_out, out, lse, scale, causal):
+    """dq, dk, dv of one block, its probabilities recomputed from the final output and log-sum-exp
+    (those of the whole sequence's attention: the block's share of each query's softmax)."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+            0.0, causal, scale=scale)
+    delta = (grad_out * out).sum(-1)  # rowsum(dO ∘ O): the softmax's backward (flash attention)
+    probs = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
     grad_v = probs.transpose(-2, -1) @ grad_out
     grad_scores = probs * (grad_out @ v.transpose(-2, -1) - delta.unsqueeze(-1))
     return grad_scores @ k * scale, grad_scores.transpose(-2, -1) @ q * scale, grad_v
 
 
-def _scores(q, k, scale, mask):
+def _scores(q, k, scale, causal):
     scores = (q @ k.transpose(-2, -1)) * scale
-    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+    if not causal:
+        return scores
+    seen = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~seen, float("-inf"))
 
 
 def _merge(out, lse, block_out, block_lse):
     """Two partial attentions over disjoint keys as one: each weighed by its share of the sum of
-    exponentials, exp(lse_part − lse_both)."""
-    both = torch.logaddexp(lse, block_lse)
-    safe = _finite(both).unsqueeze(-1)
-    return out * torch.exp(lse.unsqueeze(-1) - safe) + block_out * torch.exp(block_lse.unsqueeze(-1) - safe), both
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    exponentials, exp(lse_part − lse_both) (a part that saw no key yet has lse −inf: weight 0)."""
+    both = torch.logaddexp(lse, block_lse).unsqueeze(-1)
+    return out * torch.exp(lse.unsqueeze(-1) - both) + block_out * torch.exp(block_lse.unsqueeze(-1) - both), both[..., 0]

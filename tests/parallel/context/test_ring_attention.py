@@ -32,8 +32,12 @@ def full(length, causal):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def on_ring(topo, length, causal):
-    """This rank's cut of every tensor, through ring attention; the cut results and bytes sent."""
+def on_ring(topo, length, causal, fused=True):
+    """This rank's cut of every tensor, through ring attention; the cut results and bytes sent.
+    `fused`: the CPU's flash kernel for each block, else the math path other devices take."""
+    from paratrain.parallel.context import ring
+    if not fused:
+        ring._fused = lambda q: False
     topo.init(timeout=60)
     rank, cp = dist.get_rank(), dist.get_world_size()
     q, k, v, grad = (sharding.cut(t, rank, cp, dim=2).requires_grad_(i < 3) for i, t in enumerate(inputs(length)))
@@ -45,9 +49,10 @@ def on_ring(topo, length, causal):
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("causal", [True, False])
-def test_ring_attention_equals_full_attention_on_the_gathered_sequence(cp, causal):
+@pytest.mark.parametrize("fused", [True, False])
+def test_ring_attention_equals_full_attention_on_the_gathered_sequence(cp, causal, fused):
     length = 4 * cp * 2
-    results = run_on_ranks(on_ring, cp, length, causal, timeout=120)
+    results = run_on_ranks(on_ring, cp, length, causal, fused, timeout=120)
     want = full(length, causal)
     for i, name in enumerate(["output", "dq", "dk", "dv"]):
         got = sharding.restore([r[0][i] for r in results], dim=2)
