@@ -14,6 +14,9 @@ each rank was. So every rank keeps its last N operations (PARATRAIN_FLIGHT_RECOR
                 formatting a traceback: a few microseconds per call
     within      the collective call of the user's it was issued in ("session.checkpoint"; see
                 `within`), or None
+    label       what the library issued it for, where the call site alone does not say: the
+                K, V blocks of context parallelism's ring attention, issued from the model's
+                attention line (see `labelled`), or None
     state       started → completed, or failed (and the error); for async_op=True, completed
                 or failed when its work's future says so (a callback: a future that holds an
                 error is a failure, a timeout or a lost peer that DDP's or ZeRO's wait() will
@@ -29,6 +32,7 @@ it before torch loads), and the ring is written as JSON so the launcher reads it
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -37,7 +41,7 @@ import re
 import sys
 import sysconfig
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 DEFAULT_CAPACITY = 512  # entries; about 250 bytes each in memory
 ENV = "PARATRAIN_FLIGHT_RECORDER"  # 0/off: no recorder; N: keep the last N operations
@@ -88,12 +92,13 @@ def call_site(depth: int = 2) -> tuple[str, int, str] | None:
 class Entry:
     """One operation. Plain slots, filled in by the hooks: recording must stay cheap."""
 
-    __slots__ = ("seq", "op", "group", "gseq", "tensors", "nbytes", "detail", "site", "within", "state",
+    __slots__ = ("seq", "op", "group", "gseq", "tensors", "nbytes", "detail", "site", "within", "label", "state",
                  "error", "started", "ended", "works")
 
-    def __init__(self, seq, op, group, gseq, tensors, nbytes, detail, site, within=None):
+    def __init__(self, seq, op, group, gseq, tensors, nbytes, detail, site, within=None, label=None):
         self.seq, self.op, self.group, self.gseq = seq, op, group, gseq
         self.tensors, self.nbytes, self.detail, self.site, self.within = tensors, nbytes, detail, site, within
+        self.label = label
         self.state, self.error, self.started, self.ended = "started", None, time.time(), None
         self.works: list | None = None  # weak references to async works that have no future
 
@@ -140,6 +145,7 @@ class Entry:
         return dict(seq=self.seq, op=self.op, group=list(self.group), gseq=self.gseq,
                     tensors=[describe_tensor(*t) for t in self.tensors], bytes=self.nbytes,
                     detail=self.detail, file=file, line=line, function=function, within=self.within,
+                    label=self.label,
                     state=self.current_state(),
                     error=self.error, started=self.started, ended=self.ended)
 
@@ -158,6 +164,7 @@ class FlightRecorder:
         self.ring: collections.deque[Entry] = collections.deque(maxlen=max(capacity, 1))
         self.on_failure: Callable[[], None] | None = None  # launch/worker.py: write the ring to the notes
         self.within: str | None = None  # the collective call of the user's the operations are issued in
+        self.label: str | None = None  # what the library issues them for (`labelled`)
         self.reset()
 
     def reset(self) -> None:
@@ -169,7 +176,7 @@ class FlightRecorder:
     def start(self, op: str, group: tuple, tensors: list, nbytes: int, detail, site) -> Entry:
         gseq = self.issued.get(group, 0)
         self.issued[group] = gseq + 1
-        entry = Entry(next(self._seq), op, group, gseq, tensors, nbytes, detail, site, self.within)
+        entry = Entry(next(self._seq), op, group, gseq, tensors, nbytes, detail, site, self.within, self.label)
         self.ring.append(entry)
         return entry
 
@@ -212,6 +219,19 @@ def within(name: str):
         return recorded
 
     return decorate
+
+
+@contextlib.contextmanager
+def labelled(label: str) -> Iterator[None]:
+    """Record the operations issued in the block as issued for `label` ("ring attention (cp): K, V"):
+    the report then says what a rank was doing at the user's line, which is the model's own
+    attention call for the collectives context parallelism issues inside it."""
+    outer = RECORDER.label
+    RECORDER.label = label
+    try:
+        yield
+    finally:
+        RECORDER.label = outer
 
 
 def dump(path: str, **about) -> None:

@@ -51,7 +51,10 @@ def describe(rings: dict[int, dict]) -> list[str]:
         _, group, k, seen = split
         lines.append(f"  the histories diverge at #{k} on {_group(group, world)}: " + _sides(seen, k, world))
     elif any(len([r for r in g if r in rings]) > 1 for g in groups):
-        lines.append("  the ranks of this node issued the same collectives, in the same order")
+        # p2p operations are not compared: a pipeline's stages pair a send with a receive, batched or not
+        p2p = any(g and g[0] == "p2p" for r in rings.values() for g, _ in r["issued"])
+        lines.append("  the ranks of this node issued the same collectives, in the same order"
+                     + (" (point-to-point operations are not compared)" if p2p else ""))
     return lines
 
 
@@ -167,9 +170,11 @@ def _issued(ring: dict, group: tuple) -> int:
 
 
 def _op(e: dict, world: int) -> str:
-    """'#3 all_reduce(float32[4]) on the world group at train.py:9 (in <module>)'."""
+    """'#3 all_reduce(float32[4]) on the world group at train.py:9 (in <module>)'; with a label,
+    '… send to 1, recv from 1 for ring attention (cp): K, V at model.py:40 (in forward)'."""
     where = e["detail"] if e["detail"] else f"on {_group(tuple(e['group']), world)}"
-    return f"#{e['gseq']} {e['op']}{_tensor(e)} {where} at {_site(e)}"
+    label = f" for {e['label']}" if e.get("label") else ""  # a ring written before labels has none
+    return f"#{e['gseq']} {e['op']}{_tensor(e)} {where}{label} at {_site(e)}"
 
 
 def _tensor(e: dict) -> str:

@@ -249,3 +249,52 @@ def test_a_collective_call_every_rank_made_alike_is_not_called_alone():
         "broadcast(float32[5]) at /job/train.py:12 (in step) in session.load instead.")
     del rank0["entries"][1]["within"]  # a ring written before `within` existed
     assert hang_report.alone({0: rank0, 1: rank1}).startswith("rank 1 called session.load alone")
+
+
+CP_SESSION = textwrap.dedent("""\
+    import sys, time
+    import torch, torch.nn.functional as F
+    import paratrain as pt
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+
+        def forward(self, x):  # x: (B, T, 8)
+            if self.training and step[0] == 2 and pt.Topology.from_env().rank == 1:
+                time.sleep(120)  # SLEEP: rank 1 never reaches the ring's exchange
+            q, k, v = (t.unflatten(-1, (2, 4)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # ATTENTION
+            return y.transpose(1, 2).flatten(2)
+
+    step = [0]
+    session = pt.Session(pt.Mesh(cp=2), progress_bar=False)
+    torch.manual_seed(0)
+    model = Attention()
+    model, opt = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(2, 16, 8), torch.randn(2, 16, 8)
+    for step[0] in range(4):
+        if step[0] == 2:
+            open(f"{sys.argv[1]}{session.topology.rank}", "w").write(repr(time.time()))
+        session.train_step((x, y), F.mse_loss)
+    """)
+
+
+def test_a_context_parallel_rank_waiting_in_ring_attention_says_so_at_the_models_attention_line(tmp_path):
+    """The ring's exchange is issued from the model's own SDPA call: the report names that line,
+    and what the exchange was for (flight_recorder.labelled), and blames the rank that slept."""
+    (tmp_path / "session.py").write_text(CP_SESSION)
+    proc = paratrain("run", "-n", "2", "--timeout", str(TIMEOUT), "session.py", str(tmp_path / "parted"),
+                     cwd=tmp_path, timeout=90)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    report = [line.removeprefix("paratrain run: ") for line in proc.stderr.splitlines()
+              if line.startswith("paratrain run: ")]
+    line = next(i for i, text in enumerate(CP_SESSION.splitlines(), 1) if "# ATTENTION" in text)
+    sleep = next(i for i, text in enumerate(CP_SESSION.splitlines(), 1) if "# SLEEP" in text)
+    assert report[0].startswith("rank 1 never reached the collective that rank 0 was waiting in: when the launcher "
+                                f"stopped it, rank 1 was at session.py:{sleep} (in forward)"), report
+    assert any(text.startswith("  rank 0 ") and "batch_isend_irecv" in text and "send to 1, recv from 1 for ring "
+               f"attention (cp): K, V at session.py:{line} (in forward)" in text for text in report), report
+    assert report[-1] == ("  the ranks of this node issued the same collectives, in the same order (point-to-point "
+                          "operations are not compared)"), report

@@ -111,3 +111,17 @@ def test_token_weighted_losses_are_compared_over_every_token(tmp_path):
     done, _ = verify("-n", "2", "--steps", "3", str(script), "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "2 processes (the script's) against 1 (single), 3 optimizer step(s): they agree." in done.stdout
+
+
+def test_verify_checks_a_context_parallel_job_and_names_a_bug_in_it(tmp_path):
+    """Under pt.Mesh(cp=2) both ranks read the same batches and each trains on half of every
+    sequence: their weighed losses average to one process's, and a gradient left unaveraged on
+    one rank is named there."""
+    args = ["-n", "2", "--steps", "2", "examples/gpt.py", *GPT_SMALL, "--cp", "2", "--out", str(tmp_path)]
+    done, _ = verify(*args)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "2 processes (the script's) against 1 (single), 2 optimizer step(s): they agree." in done.stdout
+    done, _ = verify(*args, inject="unaveraged:blocks.1.attn.q.weight:2:1")
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    assert "first difference: optimizer step 2, the gradient of blocks.1.attn.q.weight\n" in done.stdout, done.stdout
+    assert "on rank 1; rank 0 agrees" in done.stdout, done.stdout

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from paratrain.debug.flight_recorder import labelled
 from paratrain.distributed.comm import ByteCounter, all_gather_with_grad, count_bytes, nbytes
 from paratrain.parallel.context import sharding
 
@@ -29,7 +30,8 @@ def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
                          scale: float | None = None, counter: ByteCounter | None = None) -> torch.Tensor:
     cp, rank, local = dist.get_world_size(group), dist.get_rank(group), q.shape[-2]
     length = local * cp
-    keys, values = (all_gather_with_grad(t.contiguous(), group, dim=2) for t in (k, v))  # (B, Hkv, S, D)
+    with labelled("all-gather attention (cp): K, V"):  # its backward's reduce-scatter runs outside: unlabelled
+        keys, values = (all_gather_with_grad(t.contiguous(), group, dim=2) for t in (k, v))  # (B, Hkv, S, D)
     count_bytes(counter, (nbytes(k) + nbytes(v)) * (cp - 1))  # what each rank sends, as the ring counts
     mask = None
     if causal:

@@ -37,6 +37,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from paratrain.debug.flight_recorder import labelled
 from paratrain.distributed.comm import ByteCounter, count_bytes, global_rank, nbytes
 
 KV_TAG, GRAD_TAG = 1, 2  # the two kinds of message of one ring, kept apart on gloo (NCCL orders by issue)
@@ -69,7 +70,8 @@ class _Ring:
         ops = [dist.P2POp(dist.isend, tensor, self.right, self.group, tag),
                dist.P2POp(dist.irecv, incoming, self.left, self.group, tag)]
         count_bytes(counter, nbytes(tensor))
-        return _Incoming(incoming, dist.batch_isend_irecv(ops))
+        with labelled(f"ring attention (cp): {'K, V' if tag == KV_TAG else 'the gradient of K, V'}"):
+            return _Incoming(incoming, dist.batch_isend_irecv(ops))
 
 
 class _Incoming:

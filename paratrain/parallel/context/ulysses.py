@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from paratrain.debug.flight_recorder import labelled
 from paratrain.errors import ConfigError
 from paratrain.parallel.context import sharding
 
@@ -40,7 +41,8 @@ def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     cp, b, h, length, d = dist.get_world_size(group), *x.shape
     send = x.reshape(b, cp, h // cp, length, d).transpose(0, 1).contiguous()
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    with labelled("all-to-all attention (cp): heads to sequence"):
+        dist.all_to_all_single(received, send, group=group)
     return sharding.restore(list(received.unbind(0)), dim=2)
 
 
@@ -49,7 +51,8 @@ def sequence_to_heads(y: torch.Tensor, group) -> torch.Tensor:
     cp = dist.get_world_size(group)
     send = torch.stack([sharding.cut(y, j, cp, dim=2) for j in range(cp)]).contiguous()
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    with labelled("all-to-all attention (cp): sequence to heads"):
+        dist.all_to_all_single(received, send, group=group)
     b, length, d = received.shape[1], received.shape[3], received.shape[4]
     return received.transpose(0, 1).reshape(b, -1, length, d)
 
