@@ -72,7 +72,7 @@ def test_a_busy_machine_is_refused_before_the_run_starts(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero", "pipeline", "hierarchical", "session", "plan_accuracy", "launch",
-                                  "tensor_parallel"])
+                                  "tensor_parallel", "context_parallel"])
 def test_every_benchmark_takes_force(name):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
     bench = importlib.util.module_from_spec(spec)

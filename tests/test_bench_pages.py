@@ -121,3 +121,13 @@ def test_launch_and_plan_accuracy_figures():
         within = sum(abs(r["predicted_step_s"] / r["measured_step_s"] - 1) <= 0.15
                      and abs(r["predicted_peak_mb"] / r["measured_peak_mb"] - 1) <= 0.10 for r in cases)
         assert f"{within} of {len(cases)} cases within both targets" in page
+
+
+def test_context_parallel_ratios_and_memory():
+    r = result("context_parallel")["llama"]
+    page = committed("context_parallel.md")
+    assert f"| {r['ring_ms']:.1f} | {r['all_gather_ms']:.1f} | {r['ring_ms'] / r['all_gather_ms']:.3f} |" in page
+    one = r["memory"]["one_process"]
+    ring = r["memory"]["ring"]
+    assert f"| ring, per rank | {ring['peak_mb']:.1f} | {ring['saved_bytes'] / 2**20:.1f} | " \
+           f"{ring['peak_mb'] / one['peak_mb']:.3f} | {ring['saved_bytes'] / one['saved_bytes']:.3f} |" in page

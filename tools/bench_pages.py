@@ -469,6 +469,35 @@ def tensor_parallel_page(runs: dict[str, dict]) -> str:
     return page("Tensor parallelism against torch's DTensor", runs, intro, cmd, table(headers, rows))
 
 
+def context_parallel_page(runs: dict[str, dict]) -> str:
+    d = runs["context_parallel"]
+    s, r = d["settings"], d["llama"]
+    m = r["memory"]
+    intro = (f"Context parallelism, `pt.Mesh(cp={s['cp']})` with ring attention, against {s['baseline']} (each rank "
+             f"gathers the sequence's K and V) on a Llama-style model ({s['layers']} blocks of width {s['width']}, "
+             f"{s['heads']} heads, {s['kv_heads']} kv heads, MLP {s['hidden']}, vocabulary {s['vocab']}): world "
+             f"{s['world']} on gloo, {threads(s['threads'])} per rank, one sequence of {s['sequence']:,} tokens per "
+             f"step cut over the cp ranks, {s['optimizer']}, {s['rounds']} interleaved rounds of {s['steps']} steps, "
+             f"medians. Not against torch's `context_parallel`: {s['baseline_reason']}. The all-gather attends each "
+             "query to the whole gathered sequence under a causal mask, its gather not overlapped with compute; the "
+             "ring computes only the blocks (and halves of blocks) the mask leaves, each transfer overlapped with a "
+             "block's attention. Memory is one step's, on "
+             "the larger rank: the peak resident memory above the step's start, and the bytes autograd keeps for "
+             "backward, each against one process training the same model on the whole sequence.")
+    speed = table(["ring ms/step", "all-gather ms/step", "ring / all-gather", "max param diff"],
+                  [[f"{r['ring_ms']:.1f}", f"{r['all_gather_ms']:.1f}", f"{r['ratio']:.3f}",
+                    f"{r['max_param_diff']:.0e}"]])
+    rows = [[name, f"{m[key]['peak_mb']:.1f}", f"{m[key]['saved_bytes'] / MIB:.1f}",
+             "1" if key == "one_process" else f"{m[key]['peak_over_one_process']:.3f}",
+             "1" if key == "one_process" else f"{m[key]['saved_over_one_process']:.3f}"]
+            for name, key in (("ring, per rank", "ring"), ("all-gather, per rank", "all_gather"),
+                              ("one process", "one_process"))]
+    memory = table(["", "peak MiB", "saved for backward MiB", "peak / one process", "saved / one process"], rows)
+    cmd = commands("python bench/context_parallel.py" + options(s, *TIMING, ("sequence", "--batch"))
+                   + out("context_parallel"))
+    return page("Context parallelism: ring attention", runs, intro, cmd, speed, memory)
+
+
 def published_value(x: float | None, unit: str) -> str:
     if x is None:
         return "-"
@@ -517,6 +546,7 @@ PAGES = (
     Page("cpu_malloc.md", ("cpu_malloc",), cpu_malloc_page),
     Page("plan_published.md", ("plan_published",), plan_published_page),
     Page("tensor_parallel.md", ("tensor_parallel",), tensor_parallel_page),
+    Page("context_parallel.md", ("context_parallel",), context_parallel_page),
 )
 
 
