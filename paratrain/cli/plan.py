@@ -45,6 +45,9 @@ exit status 2, as everywhere in the CLI.
                                           (plan/matmuls.py)
         traffic                           [forward_fixed, forward_per_batch, backward_fixed,
                                           backward_per_batch]: bytes the other ops read and write
+        attention_kv_bytes                the keys and values of every attention call in forward
+                                          (what context parallelism passes around its ring)
+        attention_calls                   F.scaled_dot_product_attention calls in forward
         checkpointed                      [] here
       checkpointed    the same with --activation-checkpointing's modules checkpointed
                       (`checkpointed` names them; flops_backward includes the recompute), or null
@@ -107,7 +110,7 @@ from paratrain.plan.calibrate import Settings, calibrate
 from paratrain.plan.cluster import Cluster, save_cluster
 from paratrain.plan.cluster_presets import PRESETS as CLUSTERS
 from paratrain.plan.cluster_presets import load_cluster
-from paratrain.plan.memory_table import describe_memory, memory_rows
+from paratrain.plan.memory_table import describe_memory, memory_rows, strategies
 from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts
 from paratrain.plan.model_source import PRESETS as MODELS
 from paratrain.plan.model_source import resolve
@@ -220,8 +223,10 @@ def _memory(args: argparse.Namespace, facts: ModelFacts, cluster: Cluster | None
     if cluster is not None:
         return plan_rows(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer, nodes=nodes,
                          accumulate=args.accumulate)
+    chosen = strategies(args.gpus, attention=facts.step.attention_calls > 0)
     return memory_rows(resolve(args.model), gpus=args.gpus, optimizer=args.optimizer, gpus_per_node=args.gpus // nodes,
-                       activation_bytes=facts.step.activation_peak_bytes, accumulate=args.accumulate, step=facts.step)
+                       activation_bytes=facts.step.activation_peak_bytes, accumulate=args.accumulate, step=facts.step,
+                       chosen=chosen)
 
 
 def to_json(facts: ModelFacts | None, cluster: Cluster | None, calibrated: str | None) -> dict:

@@ -73,6 +73,7 @@ scratch), which a real device adds on top.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,7 @@ from paratrain.parallel.single import Single
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
 from paratrain.plan.block_regions import stage_shares
+from paratrain.plan.context_parallel import ring_bytes_held
 from paratrain.plan.layouts import data_parallel_layout, stage_layout, zero12_layout
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
 from paratrain.plan.tensor_parallel import activation_fraction, cut_copy
@@ -272,19 +274,25 @@ def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
 
 
 def _mesh(m: _Model, strategy: Mesh, local_world: int) -> list[RankMemory]:
-    """Tensor parallelism: the data-parallel strategy's memory on the cut model (what a tp rank
-    holds: plan/tensor_parallel.py) over world / tp ranks; activations cut as the papers measure."""
-    tp = strategy.tp
+    """Tensor and context parallelism: the data-parallel strategy's memory on the cut model (what a
+    tp rank holds: plan/tensor_parallel.py) over world / tp ranks, which are dp × cp; activations
+    cut as the papers measure, and the ring's K, V blocks in flight (plan/context_parallel.py)."""
+    tp, cp = strategy.tp, strategy.cp
     if strategy.pp is not None:
         raise ConfigError("the planner does not plan a pipeline of tensor-parallel stages (Mesh(pp=...)) yet")
-    if m.world % tp:
-        raise ConfigError(f"tp={tp} does not divide the world size {m.world}")
+    if m.world % (tp * cp):
+        raise ConfigError(f"tp={tp} × cp={cp} does not divide the world size {m.world}")
     checkpointed = m.step is not None and bool(m.step.checkpointed)  # what is kept are block inputs, whole
     activations = m.activation_bytes if checkpointed else int(m.activation_bytes * activation_fraction(tp))
-    ranks = predict(cut_copy(m.module, strategy), strategy.data_parallel(), world=m.world // tp, optimizer=m.state,
+    held = m.module if tp == 1 else cut_copy(m.module, strategy)
+    ranks = predict(held, strategy.data_parallel(), world=m.world // tp, optimizer=m.state,
                     local_world=max(1, local_world // tp), activation_bytes=activations, foreach=m.foreach,
                     accumulate=m.accumulate)
-    return [ranks[r // tp] for r in range(m.world)]  # rank r is dp rank r // tp (distributed/grid.py)
+    if cp > 1 and m.step is not None:
+        ring = ring_bytes_held(m.step.attention_kv_bytes, m.step.attention_calls, gpus=m.world,
+                               accumulate=m.accumulate)
+        ranks = [dataclasses.replace(r, activations=r.activations + ring) for r in ranks]
+    return [ranks[r // tp] for r in range(m.world)]  # rank r is dp × cp rank r // tp (distributed/grid.py)
 
 
 def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:

@@ -20,20 +20,22 @@ FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activati
 
 
 def strategies(gpus: int, batch: int | None = None, offload: bool = True,
-               per_node: int | None = None) -> list[Strategy]:
+               per_node: int | None = None, attention: bool = False) -> list[Strategy]:
     """What the table compares on `gpus` ranks: each data-parallel strategy (ZeRO's stages also
     with `offload`, unless told not to: on a CPU cluster there is no other memory to offload to),
     a pipeline over every rank and, from 4 ranks, pipelines of 2 stages times gpus/2 replicas (a
     pipeline's micro-batches are the most, up to 4 per stage, that divide its replica's share of
     `batch`), and tensor parallelism over 2, 4 and 8 ranks of a node (`per_node`, default all)
-    with ddp, zero1 and zero3 over the rest."""
+    with ddp, zero1 and zero3 over the rest; for a model with attention (`attention`: it calls
+    F.scaled_dot_product_attention), context parallelism over 2 ranks with ddp and zero3."""
     chosen: list[Strategy] = [Single()] if gpus == 1 else []
     chosen += [DDP(), Hierarchical(), *(ZeRO(stage=k) for k in (1, 2, 3))]
     chosen += [ZeRO(stage=k, offload=True) for k in (1, 2, 3)] if offload else []
     stages = [] if gpus == 1 else [gpus, 2] if gpus >= 4 and gpus % 2 == 0 else [gpus]
     chosen += [Pipeline(stages=s, microbatches=_microbatches(s, (batch or 4 * s) * s // gpus)) for s in stages]
     widths = [t for t in (2, 4, 8) if gpus % t == 0 and t <= (per_node or gpus)]
-    return chosen + [Mesh(tp=t, dp=dp) for t in widths for dp in ("ddp", "zero1", "zero3")]
+    chosen += [Mesh(tp=t, dp=dp) for t in widths for dp in ("ddp", "zero1", "zero3")]
+    return chosen + ([Mesh(cp=2, dp=dp) for dp in ("ddp", "zero3")] if attention and gpus % 2 == 0 else [])
 
 
 def _microbatches(stages: int, replica_batch: int) -> int:
@@ -66,7 +68,8 @@ def label(strategy: Strategy) -> str:
     if isinstance(strategy, Pipeline):
         return f"pipeline {strategy.stages}x{strategy.microbatches}"
     if isinstance(strategy, Mesh):
-        return f"tp{strategy.tp} x {label(strategy.data_parallel())}"
+        dims = "".join(f"{d}{n} x " for d, n in (("tp", strategy.tp), ("cp", strategy.cp)) if n > 1)
+        return f"{dims}{label(strategy.data_parallel())}"
     return strategy.name + ("+offload" if isinstance(strategy, ZeRO) and strategy.offload else "")
 
 

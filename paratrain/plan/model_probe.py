@@ -80,6 +80,8 @@ class StepCount:
     extended: bool = False  # counted from copies of the model cut to 1 and 2 blocks (repeated_blocks.py)
     matmuls: Matmuls = ()  # the step's matmuls by shape, at this batch (plan/matmuls.py)
     traffic: Traffic = Traffic()  # bytes the other ops read and write (plan/matmuls.py)
+    attention_kv_bytes: int = 0  # the keys and values of every attention call in forward, whole batch
+    attention_calls: int = 0  # F.scaled_dot_product_attention calls in forward
 
     @property
     def activation_peak_bytes(self) -> int:
@@ -182,7 +184,9 @@ def _count(source: ModelSource, model: nn.Module, *, stack: Stack | None, blocks
                      block_activation_bytes=extend_blocks(two.block_activation_bytes, stack),
                      block_output_bytes=extend_blocks(two.block_output_bytes, stack),
                      block_flops=extend_blocks(two.block_flops, stack), lead_flops=two.lead_flops,
-                     lead_activation_bytes=two.lead_activation_bytes, checkpointed=checkpointed, extended=True)
+                     lead_activation_bytes=two.lead_activation_bytes, checkpointed=checkpointed, extended=True,
+                     attention_kv_bytes=extend(one.attention_kv_bytes, two.attention_kv_bytes, stack),
+                     attention_calls=extend(one.attention_calls, two.attention_calls, stack))
 
 
 def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | None, precision: str = "32",
@@ -208,8 +212,9 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
 
     handles = regions.hooks()
     autocast = PRECISIONS[precision]
+    kv: list[int] = []
     try:
-        with faked(model, mode) as state, mode, fused_attention():
+        with faked(model, mode) as state, mode, fused_attention(kv):
             args, kwargs = source.inputs(model, batch, seq)
             with Lifetimes(state) as lifetimes:
                 with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as forward, \
@@ -218,6 +223,7 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
                     regions.counter = forward
                     loss = _loss(model(*args, **kwargs), loss_fn)
                 regions.counter = None
+                calls, kv_bytes = len(kv), sum(kv)  # forward's only
                 with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as backward, \
                         Recorder() as backward_work:
                     loss.backward()
@@ -230,7 +236,8 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
     counted = StepCount(flops_forward=forward.get_total_flops(), flops_backward=backward.get_total_flops(),
                         activation_bytes=sum(saved.values()), block_activation_bytes=regions.saved,
                         block_output_bytes=regions.outputs, block_flops=regions.flops, lead_flops=regions.lead_flops,
-                        lead_activation_bytes=regions.lead_saved, checkpointed=checkpointed, transient_bytes=transient)
+                        lead_activation_bytes=regions.lead_saved, checkpointed=checkpointed, transient_bytes=transient,
+                        attention_kv_bytes=kv_bytes, attention_calls=calls)
     return counted, _recorded(forward_work, backward_work)
 
 

@@ -27,7 +27,7 @@ from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.pipeline.check import bubble_slots
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
-from paratrain.plan import step_time, tensor_parallel
+from paratrain.plan import context_parallel, step_time, tensor_parallel
 from paratrain.plan.block_regions import stage_shares
 from paratrain.plan.cluster import Cluster
 from paratrain.plan.comm_model import Group
@@ -45,7 +45,8 @@ def plan_rows(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus:
     the devices spread evenly over `nodes` (default: nodes_for's); `accumulate` micro-batches
     per optimizer step."""
     nodes = nodes_for(gpus, cluster, nodes)
-    chosen = strategies(gpus, facts.batch // accumulate, offload=cluster.host_link is not None, per_node=gpus // nodes)
+    chosen = strategies(gpus, facts.batch // accumulate, offload=cluster.host_link is not None, per_node=gpus // nodes,
+                        attention=facts.step.attention_calls > 0)
     how = {"gpus": gpus, "nodes": nodes, "optimizer": optimizer, "accumulate": accumulate}
     plain = _rows(source, facts, facts.step, cluster, chosen, **how)
     if facts.checkpointed is None:
@@ -148,20 +149,25 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
 
 def _mesh_time(source: ModelSource, strategy: Mesh, step: StepCount, cluster: Cluster, *, gpus: int, nodes: int,
                facts: ModelFacts, accumulate: int) -> step_time.StepTime:
-    """Tensor parallelism (plan/tensor_parallel.py): the data-parallel strategy's step on the cut
-    model over gpus / tp ranks, its compute the cut share, plus the tp all-reduces, all exposed."""
-    tp = strategy.tp
+    """Tensor and context parallelism (plan/tensor_parallel.py, plan/context_parallel.py): the
+    data-parallel strategy's step on the cut model over gpus / tp ranks (dp × cp), its compute the
+    cut share, plus the tp all-reduces and the cp ring's passes, all exposed."""
+    tp, cp = strategy.tp, strategy.cp
     if strategy.pp is not None:
         raise ConfigError("the planner does not plan a pipeline of tensor-parallel stages (Mesh(pp=...)) yet")
-    if gpus % tp:
-        raise ConfigError(f"tp={tp} does not divide {gpus} devices")
+    if gpus % (tp * cp):
+        raise ConfigError(f"tp={tp} × cp={cp} does not divide {gpus} devices")
     dp = gpus // tp
-    cut = ModelSource(source.name, lambda: tensor_parallel.cut_copy(source.shared, strategy), source.default_seq)
+    cut = source if tp == 1 else ModelSource(source.name, lambda: tensor_parallel.cut_copy(source.shared, strategy),
+                                             source.default_seq)
     inner = predict_time(cut, strategy.data_parallel(), step, cluster, gpus=dp, nodes=min(nodes, dp), facts=facts,
                          accumulate=accumulate)
     share = tensor_parallel.compute_fraction(tp, step.block_flops, step.flops_forward)
     comm = tensor_parallel.tp_seconds(step.block_output_bytes, tp=tp, dp=dp, accumulate=accumulate,
                                       recompute=bool(step.checkpointed), cluster=cluster)
+    comm += context_parallel.ring_seconds(step.attention_kv_bytes, step.attention_calls, cp=cp, gpus=gpus,
+                                          accumulate=accumulate, recompute=bool(step.checkpointed),
+                                          same_node=tp * cp <= (cluster.gpus_per_node or gpus), cluster=cluster)
     return dataclasses.replace(inner, compute=inner.compute * share, exposed_comm=inner.exposed_comm + comm,
                                comm=inner.comm + comm)
 
@@ -213,7 +219,8 @@ def session_line(strategy: Strategy, step: StepCount, precision: str = "32", acc
         name = (f"pt.Pipeline(stages={strategy.stages}, schedule={strategy.schedule!r}{virtual}, "
                 f"microbatches={strategy.microbatches})")
     elif isinstance(strategy, Mesh):
-        name = f"pt.Mesh(tp={strategy.tp}, dp={strategy.data_parallel().name!r})"
+        dims = "".join(f"{d}={n}, " for d, n in (("tp", strategy.tp), ("cp", strategy.cp)) if n > 1)
+        name = f"pt.Mesh({dims}dp={strategy.data_parallel().name!r})"
     elif isinstance(strategy, ZeRO) and strategy.offload:
         name = f"pt.ZeRO(stage={strategy.stage}, offload=True)"
     else:
