@@ -112,7 +112,7 @@ def run(topo, tokens: int, warmup: int, rounds: int, steps: int) -> dict:
     x, y = batches[0]
     memory = {name: _memory(step_of[name], models[name][0].parameters(), x, y) for name in models}
     pt.destroy()
-    del models
+    models.clear()  # free both before one process is measured
     alone = copy.deepcopy(base)
     opt = torch.optim.Adam(alone.parameters(), lr=LR)
     _one_step(alone, opt, x, y)  # its Adam state exists before the measured step, as the others' does
