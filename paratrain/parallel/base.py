@@ -189,6 +189,56 @@ class ParallelModule(nn.Module):
         yield {user_key(k): v for k, v in self.module.state_dict().items()}
 
 
+class Wrapping(ParallelModule):
+    """A wrapper over another ParallelModule, `inner` (a data-parallel strategy over the ranks
+    that read different data): the protocol passes through to it, and a subclass overrides what
+    its own dimension changes (parallel/tensor/mesh.py: tp slices made whole; parallel/context/
+    model.py: the sequence cut). `reduced_finite` and `watch_reductions` keep the defaults: a
+    reduction the inner wrapper saw whole need not be the whole model's gradient."""
+
+    def __init__(self, inner: ParallelModule, *, replicas: int, replica_index: int):
+        super().__init__()
+        self.inner, self.module = inner, inner.module
+        self.replicas, self.replica_index = replicas, replica_index
+        self.supports_token_weights = inner.supports_token_weights
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.inner.no_sync():
+            yield
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self.inner.require_backward_grad_sync
+
+    def forward_backward(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
+        return self.inner.forward_backward(inputs, targets, loss_fn, scale)
+
+    def default_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        return self.inner.default_loss(outputs, targets)
+
+    def check_loader(self, loader: Any) -> None:
+        self.inner.check_loader(loader)
+
+    def local_grads(self) -> tuple[list[torch.Tensor], Any]:
+        return self.inner.local_grads()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self.inner.clip_grad_norm_(max_norm)
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        return self.inner.checkpoint_layout()
+
+    def sync_buffers(self) -> None:
+        self.inner.sync_buffers()
+
+    def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self.inner.state_pieces()
+
+
 def persistent_buffers(module: nn.Module) -> frozenset[str]:
     """The names of `module`'s buffers its state dict holds (a causal mask registered with
     persistent=False is rebuilt by the model, not saved)."""

@@ -24,10 +24,9 @@ unrouted: correct, without the memory saving.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,21 +34,19 @@ import torch.distributed as dist
 from paratrain.data.batch import IGNORE_INDEX, label_shift
 from paratrain.distributed.comm import ByteCounter
 from paratrain.errors import UsageError
-from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule, uncompiled
+from paratrain.parallel.base import LossFn, ParallelModule, Wrapping, uncompiled
 from paratrain.parallel.context import sharding
 from paratrain.parallel.context.routing import Cut, routed
 
 
-class ContextParallelModel(ParallelModule):
-    """`inner` trained on this rank's cut of each sequence; see the module docstring."""
+class ContextParallelModel(Wrapping):
+    """`inner` trained on this rank's cut of each sequence; see the module docstring. The ranks of
+    a cp group read the same batches: `replicas` counts dp only."""
 
     def __init__(self, inner: ParallelModule, group, cp_rank: int, cp: int, *, replicas: int, replica_index: int,
                  mode: str = "ring", arange_positions: bool = True):
-        super().__init__()
-        self.inner, self.module = inner, inner.module
+        super().__init__(inner, replicas=replicas, replica_index=replica_index)
         self.group, self.cp_rank, self.cp, self.mode = group, cp_rank, cp, mode
-        self.replicas, self.replica_index = replicas, replica_index  # the ranks of a cp group read the same batches
-        self.supports_token_weights = inner.supports_token_weights
         self.counter: ByteCounter | None = None  # set one to count the bytes of K and V the ring sends
         model = uncompiled(self.module)
         parameters = inspect.signature(model.forward).parameters
@@ -139,46 +136,14 @@ class ContextParallelModel(ParallelModule):
         dist.all_reduce(total, group=self.group)
         return mine * self.cp / total.clamp(min=1)
 
-    # -- the rest of the protocol is the inner wrapper's ---------------------------------------
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with self.inner.no_sync():
-            yield
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        return self.inner.require_backward_grad_sync
-
-    def default_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        return self.inner.default_loss(outputs, targets)
-
-    def check_loader(self, loader: Any) -> None:
-        self.inner.check_loader(loader)
-
-    def local_grads(self) -> tuple[list[torch.Tensor], Any]:
-        return self.inner.local_grads()
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return self.inner.clip_grad_norm_(max_norm)
+    # -- the rest of the protocol is the inner wrapper's (Wrapping), and so is its check of
+    # -- finite reductions: cp holds no parameter shard, each reduction is the whole gradient's
 
     def reduced_finite(self) -> torch.Tensor | None:
         return self.inner.reduced_finite()
 
     def watch_reductions(self) -> None:
         self.inner.watch_reductions()
-
-    def checkpoint_layout(self) -> CheckpointLayout:
-        return self.inner.checkpoint_layout()  # cp holds no shard of its own: the inner's, over dp × cp
-
-    def sync_buffers(self) -> None:
-        self.inner.sync_buffers()
-
-    def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
-        return self.inner.state_pieces()
 
 
 def _weighed(loss: torch.Tensor, share: torch.Tensor) -> torch.Tensor:

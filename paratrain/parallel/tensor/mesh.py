@@ -27,7 +27,6 @@ step, so it stays equal without communication; tests check that it does.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -42,7 +41,7 @@ from paratrain.distributed.comm import broadcast_coalesced
 from paratrain.distributed.grid import ProcessGrid
 from paratrain.distributed.topology import Topology
 from paratrain.errors import ConfigError, UsageError
-from paratrain.parallel.base import CheckpointLayout, LossFn, ParallelModule, Strategy
+from paratrain.parallel.base import CheckpointLayout, ParallelModule, Strategy, Wrapping
 from paratrain.parallel.context import ContextParallelModel
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.pipeline import Pipeline, PipelineStage
@@ -188,39 +187,14 @@ def _rebuilt(optimizer: torch.optim.Optimizer, cut: Cut) -> torch.optim.Optimize
     return rebuilt
 
 
-class TensorParallelModel(ParallelModule):
+class TensorParallelModel(Wrapping):
     """A model whose planned layers are cut over tp, wrapped by a data-parallel strategy over dp
     (`inner`); the protocol (parallel/base.py) is the inner wrapper's, with the tp slices made
     whole where the protocol speaks of the whole model."""
 
     def __init__(self, inner: ParallelModule, cut: Cut, tp_group, holders, tp_rank: int):
-        super().__init__()
-        self.inner = inner
-        self.module = inner.module
+        super().__init__(inner, replicas=inner.replicas, replica_index=inner.replica_index)
         self.shard_dims, self.tp_group, self.holders, self.tp_rank = cut.shard_dims, tp_group, holders, tp_rank
-        self.replicas, self.replica_index = inner.replicas, inner.replica_index
-        self.supports_token_weights = inner.supports_token_weights
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with self.inner.no_sync():
-            yield
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        return self.inner.require_backward_grad_sync
-
-    def forward_backward(self, inputs: Any, targets: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
-        return self.inner.forward_backward(inputs, targets, loss_fn, scale)
-
-    def default_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        return self.inner.default_loss(outputs, targets)
-
-    def check_loader(self, loader: Any) -> None:
-        self.inner.check_loader(loader)
 
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         """The inner wrapper's gradients; the ranks holding the rest are the tp group's, and
@@ -250,9 +224,6 @@ class TensorParallelModel(ParallelModule):
     def checkpoint_layout(self) -> CheckpointLayout:
         raise UsageError("checkpoints of a tensor-parallel model are not supported yet: save "
                          "session.full_state_dict() (whole tensors under the model's keys) on rank 0 instead")
-
-    def sync_buffers(self) -> None:
-        self.inner.sync_buffers()  # the tp ranks of a replica compute the same buffers
 
     def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
         """The inner wrapper's pieces, each cut tensor gathered whole over tp (collective)."""
