@@ -200,7 +200,7 @@ class Session(JobFacts, SessionCheckpoints):
         """Warn once when the replicas' first batches differ in size and no weight= weighs them
         (a pipeline's stages compare theirs themselves: parallel/pipeline/p2p.py)."""
         self._sizes_compared = True
-        if weight is None and model.replicas > 1 and model.supports_token_weights:
+        if weight is None and self.world_size > 1 and model.replicas > 1 and model.supports_token_weights:
             said = uneven_warning(batch_len(inputs))
             if said is not None and self.rank == 0:
                 warnings.warn(said, UnevenBatchWarning, stacklevel=3)
