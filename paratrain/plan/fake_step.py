@@ -25,13 +25,14 @@ def fused_attention(kv_bytes: list[int] | None = None):
     dropout, and its math path would save the T×T scores and the dropout mask, where flash
     attention on a GPU keeps only its dropout's RNG seed. The FLOPs are the same. (Replaced in the
     module, as models call it, because a TorchFunctionMode does not reach the recompute of a
-    checkpointed block in backward.) `kv_bytes` gets the bytes of each call's keys and values:
-    what context parallelism passes around its ring (plan/context_parallel.py)."""
+    checkpointed block in backward.) `kv_bytes` gets the bytes of each call's keys and values,
+    a recompute's in backward too (the caller reads it after forward): what context parallelism
+    passes around its ring (plan/context_parallel.py)."""
     original = F.scaled_dot_product_attention
 
     def without_dropout(query, key, value, *args, **kwargs):
         kwargs = {**dict(zip(SDPA_OPTIONS, args)), **kwargs, "dropout_p": 0.0}
-        if kv_bytes is not None and torch.is_grad_enabled():  # a forward's, not a recompute's in backward
+        if kv_bytes is not None:
             kv_bytes.append(key.numel() * key.element_size() + value.numel() * value.element_size())
         return original(query, key, value, **kwargs)
 
