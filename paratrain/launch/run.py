@@ -47,8 +47,7 @@ def run(args: argparse.Namespace) -> int:
     except ChildFailedError as e:
         return postmortem.report(e, notes)
     except SignalException as e:  # the agent has already stopped the workers (SIGTERM, then SIGKILL)
-        return _stopped_by(e.sigval, worker.preempted_ranks(notes), args.nproc_per_node,
-                           worker.preempted_ranks(notes, failed=True))
+        return _stopped_by(e.sigval, *worker.preempted_ranks(notes), local_ranks=args.nproc_per_node)
     except (RendezvousError, dist.DistError) as e:  # the agents never met; no worker started
         _report_no_meeting(args, e)
         return 1
@@ -57,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stopped_by(sigval: signal.Signals, preempted: dict[int, str], local_ranks: int,
-                failed: dict[int, str] | None = None) -> int:
+def _stopped_by(sigval: signal.Signals, preempted: dict[int, str], failed: dict[int, str], *,
+                local_ranks: int) -> int:
     """0 when every rank here checkpointed on the signal and left on its own (Session(
     checkpoint_on_preempt=...)): the job stopped as asked and resumes from that checkpoint; else
     the shell's status for a process killed by the signal, with why the ranks' checkpoint on the

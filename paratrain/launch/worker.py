@@ -186,20 +186,22 @@ def note_preempted(checkpoint: str | None, env=os.environ, error: str | None = N
                dict(rank=int(env.get("RANK", 0)), checkpoint=checkpoint, error=error))
 
 
-def preempted_ranks(directory: str, failed: bool = False) -> dict[int, str]:
-    """The ranks that left a `note_preempted` in `directory`, and the checkpoint each wrote;
-    `failed`: those whose checkpoint failed, and why."""
-    ranks = {}
+def preempted_ranks(directory: str) -> tuple[dict[int, str], dict[int, str]]:
+    """The ranks that left a `note_preempted` in `directory`: those that checkpointed, with the
+    checkpoint each wrote, and those whose checkpoint failed, with why."""
+    saved, failed = {}, {}
     for name in os.listdir(directory):
         if name.endswith(".preempted"):
             try:
                 with open(os.path.join(directory, name)) as f:
                     note = json.load(f)
-                if bool(note.get("error")) == failed:
-                    ranks[note["rank"]] = note["error"] if failed else note["checkpoint"]
+                if note.get("error"):
+                    failed[note["rank"]] = note["error"]
+                else:
+                    saved[note["rank"]] = note["checkpoint"]
             except (OSError, ValueError, KeyError):
                 pass  # a half-written note is no note
-    return ranks
+    return saved, failed
 
 
 def _dump_ring_on_sigterm(dump) -> None:

@@ -310,12 +310,13 @@ def test_a_signal_exits_0_only_when_every_rank_checkpointed_on_it(capsys):
 
     from paratrain.launch.run import _stopped_by
 
-    assert _stopped_by(signal.SIGTERM, {}, 2) == 143
-    assert _stopped_by(signal.SIGTERM, {0: "ckpt/step-00000006"}, 2) == 143  # rank 1 was killed
+    assert _stopped_by(signal.SIGTERM, {}, {}, local_ranks=2) == 143
+    assert _stopped_by(signal.SIGTERM, {0: "ckpt/step-00000006"}, {}, local_ranks=2) == 143  # rank 1 was killed
     assert "stopped by SIGTERM" in capsys.readouterr().err
-    assert _stopped_by(signal.SIGUSR1, {0: "ckpt/step-00000006", 1: "ckpt/step-00000006"}, 2) == 0
+    assert _stopped_by(signal.SIGUSR1, {0: "ckpt/step-00000006", 1: "ckpt/step-00000006"}, {}, local_ranks=2) == 0
     assert "every rank checkpointed (ckpt/step-00000006) and exited 0" in capsys.readouterr().err
-    assert _stopped_by(signal.SIGTERM, {}, 2, {0: "CheckpointError: full", 1: "CheckpointError: full"}) == 143
+    assert _stopped_by(signal.SIGTERM, {}, {0: "CheckpointError: full", 1: "CheckpointError: full"},
+                       local_ranks=2) == 143
     assert capsys.readouterr().err == ("paratrain run: stopped by SIGTERM; the checkpoint on SIGTERM failed (ranks "
                                        "0, 1: CheckpointError: full). A resume starts from the newest checkpoint "
                                        "saved before it\n")
