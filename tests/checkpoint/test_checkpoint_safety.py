@@ -2,8 +2,6 @@
 written last, damage is detected and skipped, errors name the cause and the file, one job writes a
 root, and resume says when it finds nothing."""
 
-import contextlib
-import errno
 import json
 import os
 import re
@@ -25,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain as pt
 from paratrain import checkpoint
 from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
+from tests.support.full_disk import FullDisk, failing_create_stream
 from tests.support.models import make_batches, make_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -162,30 +161,10 @@ def test_read_failures_name_the_file_and_the_cause_first(tmp_path):
     assert "cannot be read: __0_0.distcp is truncated or corrupt" in line and "(rank 0)" in line
 
 
-class _FullDisk:
-    """A file whose writes fail as on a full disk."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, data):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
 def _disk_full_on_rank_1(topo, path):
     session = _session(topo)
     if topo.rank == 1:
-        real = FileSystem.create_stream
-
-        @contextlib.contextmanager
-        def full(self, file, mode):
-            with real(self, file, mode) as stream:
-                yield _FullDisk(stream) if "w" in mode else stream
-
-        FileSystem.create_stream = full
+        FileSystem.create_stream = failing_create_stream()
     try:
         session.save(path)
     except pt.CheckpointError as e:
@@ -198,7 +177,7 @@ def test_a_full_disk_on_one_rank_is_named_on_every_rank(tmp_path):
                                "writing __1_0.distcp (rank 1)")
 
 
-class _ZipWriterShortOfSpace(_FullDisk):
+class _ZipWriterShortOfSpace(FullDisk):
     """A full disk as torch.save's zip writer meets it (a short write): no errno, only its check
     (test_a_real_full_disk_is_named meets the real one where a tmpfs can be mounted)."""
 
@@ -218,17 +197,12 @@ def test_a_disk_full_inside_torch_saves_zip_writer_is_named(tmp_path, monkeypatc
     left the zip writer's own error stands."""
     real_statvfs = os.statvfs
 
-    @contextlib.contextmanager
-    def short(self, path, mode):
-        with open(path, mode) as stream:
-            yield _ZipWriterShortOfSpace(stream) if "w" in mode else stream
-
     def statvfs(path):
         real = real_statvfs(path)
         blocks = free_after // real.f_frsize
         return os.statvfs_result((real.f_bsize, real.f_frsize, real.f_blocks, blocks, blocks, *real[5:]))
 
-    monkeypatch.setattr(FileSystem, "create_stream", short)
+    monkeypatch.setattr(FileSystem, "create_stream", failing_create_stream(_ZipWriterShortOfSpace))
     monkeypatch.setattr(os, "statvfs", statvfs)
     line = _save_error(tmp_path / "c", torch.nn.Linear(64, 64))
     if free_after == 0:

@@ -29,27 +29,11 @@ SCRIPT = textwrap.dedent('''
 
     out, slow = sys.argv[1], float(sys.argv[2])
     if sys.argv[3:] == ["full-disk"]:  # every checkpoint file's writes fail as on a full disk
-        import contextlib, errno, os
+        import os
+        sys.path.insert(0, os.getcwd())  # the repository: paratrain run starts the script there
         from torch.distributed.checkpoint.filesystem import FileSystem
-
-        class Full:
-            def __init__(self, stream):
-                self.stream = stream
-
-            def write(self, data):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-            def __getattr__(self, name):
-                return getattr(self.stream, name)
-
-        real = FileSystem.create_stream
-
-        @contextlib.contextmanager
-        def full(self, file, mode):
-            with real(self, file, mode) as stream:
-                yield Full(stream) if "w" in mode else stream
-
-        FileSystem.create_stream = full
+        from tests.support.full_disk import failing_create_stream
+        FileSystem.create_stream = failing_create_stream()
     session = pt.Session("ddp", checkpoint_on_preempt=f"{out}/ckpt", progress_bar=False, seed=3)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
