@@ -32,17 +32,24 @@ def full(length, causal):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def on_ring(topo, length, causal, fused=True):
-    """This rank's cut of every tensor, through ring attention; the cut results and bytes sent.
-    `fused`: the CPU's flash kernel for each block, else the math path other devices take."""
+def on_ranks(topo, length, causal, mode="ring", fused=True):
+    """This rank's cut of every tensor, through `mode`'s attention; the cut results and the bytes
+    of K and V sent (0 for all-to-all, which counts none). `fused`: the CPU's flash kernel for each
+    ring block, else the math path other devices take."""
     from paratrain.parallel.context import ring
+    from paratrain.parallel.context.all_gather import all_gather_attention
+    from paratrain.parallel.context.ulysses import all_to_all_attention
     if not fused:
         ring._fused = lambda q: False
     topo.init(timeout=60)
     rank, cp = dist.get_rank(), dist.get_world_size()
     q, k, v, grad = (sharding.cut(t, rank, cp, dim=2).requires_grad_(i < 3) for i, t in enumerate(inputs(length)))
     counter = ByteCounter()
-    out = ring_attention(q, k, v, dist.group.WORLD, causal=causal, counter=counter)
+    if mode == "all-to-all":
+        out = all_to_all_attention(q, k, v, dist.group.WORLD, causal=causal)
+    else:
+        attend = ring_attention if mode == "ring" else all_gather_attention
+        out = attend(q, k, v, dist.group.WORLD, causal=causal, counter=counter)
     out.backward(grad)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)], counter.sent
 
@@ -52,7 +59,7 @@ def on_ring(topo, length, causal, fused=True):
 @pytest.mark.parametrize("fused", [True, False])
 def test_ring_attention_equals_full_attention_on_the_gathered_sequence(cp, causal, fused):
     length = 4 * cp * 2
-    results = run_on_ranks(on_ring, cp, length, causal, fused, timeout=120)
+    results = run_on_ranks(on_ranks, cp, length, causal, "ring", fused, timeout=120)
     want = full(length, causal)
     for i, name in enumerate(["output", "dq", "dk", "dv"]):
         got = sharding.restore([r[0][i] for r in results], dim=2)
@@ -76,42 +83,21 @@ def test_a_length_that_cannot_be_cut_is_refused_with_lengths_that_can():
         sharding.cut(torch.zeros(1, 12), 0, 4)
 
 
-def on_all_to_all(topo, length, causal):
-    from paratrain.parallel.context.ulysses import all_to_all_attention
-    topo.init(timeout=60)
-    rank, cp = dist.get_rank(), dist.get_world_size()
-    q, k, v, grad = (sharding.cut(t, rank, cp, dim=2).requires_grad_(i < 3) for i, t in enumerate(inputs(length)))
-    out = all_to_all_attention(q, k, v, dist.group.WORLD, causal=causal)
-    out.backward(grad)
-    return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
-
-
 @pytest.mark.parametrize("causal", [True, False])
 def test_all_to_all_attention_equals_full_attention(causal):
     length = 16
-    results = run_on_ranks(on_all_to_all, 2, length, causal, timeout=120)
+    results = run_on_ranks(on_ranks, 2, length, causal, "all-to-all", timeout=120)
     want = full(length, causal)
     for i, name in enumerate(["output", "dq", "dk", "dv"]):
-        got = sharding.restore([r[i] for r in results], dim=2)
+        got = sharding.restore([r[0][i] for r in results], dim=2)
         assert torch.allclose(got, want[i], atol=1e-6, rtol=0), (name, (got - want[i]).abs().max().item())
-
-
-def on_all_gather(topo, length, causal):
-    from paratrain.parallel.context.all_gather import all_gather_attention
-    topo.init(timeout=60)
-    rank, cp = dist.get_rank(), dist.get_world_size()
-    q, k, v, grad = (sharding.cut(t, rank, cp, dim=2).requires_grad_(i < 3) for i, t in enumerate(inputs(length)))
-    counter = ByteCounter()
-    out = all_gather_attention(q, k, v, dist.group.WORLD, causal=causal, counter=counter)
-    out.backward(grad)
-    return [t.detach() for t in (out, q.grad, k.grad, v.grad)], counter.sent
 
 
 @pytest.mark.parametrize("cp", [2, 3])
 @pytest.mark.parametrize("causal", [True, False])
 def test_all_gather_attention_equals_full_attention(cp, causal):
     length = 4 * cp * 2
-    results = run_on_ranks(on_all_gather, cp, length, causal, timeout=120)
+    results = run_on_ranks(on_ranks, cp, length, causal, "all-gather", timeout=120)
     want = full(length, causal)
     for i, name in enumerate(["output", "dq", "dk", "dv"]):
         got = sharding.restore([r[0][i] for r in results], dim=2)
