@@ -173,7 +173,8 @@ def _op(e: dict, world: int) -> str:
     """'#3 all_reduce(float32[4]) on the world group at train.py:9 (in <module>)'; with a label,
     '… send to 1, recv from 1 for ring attention (cp): K, V at model.py:40 (in forward)'."""
     where = e["detail"] if e["detail"] else f"on {_group(tuple(e['group']), world)}"
-    label = f" for {e['label']}" if e.get("label") else ""  # a ring written before labels has none
+    # optional: a ring written by another paratrain version may lack it
+    label = f" for {e['label']}" if e.get("label") else ""
     return f"#{e['gseq']} {e['op']}{_tensor(e)} {where}{label} at {_site(e)}"
 
 
