@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -137,4 +138,17 @@ def read_or_damaged(fn, path: Path):
 def read_entries(entries: dict, reader: SafeReader, path: Path, **options: Any) -> None:
     """Fill `entries` in place from checkpoint `path` through `reader` (dcp.load with `options`);
     a damaged file raises DamagedCheckpoint naming it."""
-    read_or_damaged(lambda: dcp.load(entries, storage_reader=reader, **options), path)
+    with quiet_dcp():
+        read_or_damaged(lambda: dcp.load(entries, storage_reader=reader, **options), path)
+
+
+@contextlib.contextmanager
+def quiet_dcp():
+    """Without two warnings of DCP's the user can do nothing about: torch's FutureWarning on every
+    use of a ShardedTensor ("use DTensor instead"; checkpoint/layout.py describes the boxes a rank
+    holds with them, which a DTensor cannot: a ZeRO shard's pieces sit at arbitrary offsets), and
+    "torch.distributed is disabled", once per tensor read offline (no_dist=True: intended)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield

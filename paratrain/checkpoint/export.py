@@ -164,7 +164,10 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, dtype: to
         for name, names in [*((n, every_name.get(n, [n])) for n in meta["shapes"]), *((b, [b]) for b in buffers)]:
             key = f"model/{name}" if name in meta["shapes"] else f"buffers/{name}"
             stored_dtype, shape = kinds[key]
-            flat = torch.empty(torch.Size(shape).numel() if key.startswith("model/") else shape, dtype=stored_dtype)
+            size = shape  # a parameter: flattened in format 1, a 0-d one as one element
+            if key.startswith("model/") and (meta["format"] == 1 or not shape):
+                size = (torch.Size(shape).numel(),)
+            flat = torch.empty(size, dtype=stored_dtype)
             read_entries({key: flat}, reader, Path(path), no_dist=True)
             value = flat.view(shape)
             largest = max(largest, value.nbytes)

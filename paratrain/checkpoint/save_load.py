@@ -54,7 +54,8 @@ from paratrain.errors import CheckpointError, ConfigError
 __all__ = ["save", "load", "resume", "latest", "prune", "verify", "describe", "lock_root", "unlock_roots",
            "DamagedCheckpoint", "CheckpointWarning"]
 
-FORMAT = 1
+FORMAT = 2  # 1: parameters stored flattened (checkpoint/layout.py)
+READS = (1, 2)
 
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -64,7 +65,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     agree(lambda: _prepare(partial))
-    entries, shapes = state_entries(model, optimizer)
+    entries, shapes = state_entries(model, optimizer, flat=FORMAT == 1)
     meta = {"format": FORMAT, "world_size": world(), "shapes": {n: list(s) for n, s in shapes.items()},
             **_state_dict_names(model), "param_groups": _hyperparameters(optimizer), "state": state or {}}
     entries["meta/json"] = json_tensor(meta)
@@ -75,7 +76,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         # a tensor several ranks hold is written by the lowest of them: buffers may differ
         # between replicas (BatchNorm statistics under zero3), and rank 0's are the ones
         # full_state_dict() and export give
-        dcp.save(entries, storage_writer=writer, planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        with _io().quiet_dcp():
+            dcp.save(entries, storage_writer=writer, planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     except dcp.CheckpointException as e:  # a BaseException: turn it into an ordinary error
         raise CheckpointError(f"saving {path} failed: {describe_failure(e)}; it was left as "
                               f"{partial.name}, and every checkpoint saved before is intact") from e
@@ -153,7 +155,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     metadata = io.read_or_damaged(reader.read_metadata, path)
     meta = _read_meta(path, metadata)
     optim_keys = _optimizer_keys(metadata) if optimizer is not None else None
-    entries, shapes = state_entries(model, optimizer, optim_keys)
+    entries, shapes = state_entries(model, optimizer, optim_keys, flat=meta["format"] == 1)
     _check_same_model(meta, shapes, path)
     _check_same_entries(entries, metadata, path)
     rng = {k.split("/", 2)[2]: torch.empty(metadata.state_dict_metadata[k].size, dtype=torch.uint8)
@@ -194,8 +196,9 @@ def describe(path: str | os.PathLike) -> tuple[dict, list[tuple[str, torch.dtype
     tensors = []
     for key, item in sorted(metadata.state_dict_metadata.items()):
         if hasattr(item, "size") and not key.startswith(("meta/", "rng/")):
-            # model/<name> and optim/<name>/<state key> are stored flattened: show the parameter's
-            # shape where the sizes agree (not for scalar state such as Adam's step); buffers as they are
+            # model/<name> and optim/<name>/<state key> are stored at the parameter's shape (in
+            # format 1 flattened; a 0-d parameter as one element): show the parameter's shape
+            # where the sizes agree (not for scalar state such as Adam's step); buffers as they are
             own = meta["shapes"].get(key.split("/")[1])
             flat = own is not None and torch.Size(own).numel() == torch.Size(item.size).numel()
             tensors.append((key, item.properties.dtype, tuple(own if flat else item.size)))
@@ -208,8 +211,9 @@ def _read_meta(path: Path, metadata) -> dict:
     blob = torch.empty(metadata.state_dict_metadata["meta/json"].size, dtype=torch.uint8)
     _io().read_entries({"meta/json": blob}, _io().SafeReader(path), path)
     meta = json_of(blob)
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{path} has checkpoint format {meta.get('format')}; this paratrain reads {FORMAT}")
+    if meta.get("format") not in READS:
+        raise ConfigError(f"{path} has checkpoint format {meta.get('format')}; this paratrain reads formats "
+                          f"{', '.join(map(str, READS))}: load it with the paratrain that wrote it")
     return meta
 
 
@@ -229,7 +233,8 @@ def _check_same_entries(entries: dict, metadata, path: Path) -> None:
     or optimizer state the writer did not have is another model (or optimizer), not damage."""
     stored = metadata.state_dict_metadata
     missing = sorted(k for k in entries if k not in stored)
-    other = sorted(k for k in entries if k in stored and tuple(entries[k].size()) != tuple(stored[k].size))
+    with _io().quiet_dcp():
+        other = sorted(k for k in entries if k in stored and tuple(entries[k].size()) != tuple(stored[k].size))
     if missing or other:
         found = ([f"it has no {missing[:5]}"] if missing else []) + ([f"other sizes for {other[:5]}"] if other else [])
         raise ConfigError(f"{path} holds another model or optimizer state: {', and '.join(found)}; load it into "

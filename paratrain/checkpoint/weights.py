@@ -7,10 +7,10 @@ file `torch.save`d from a state dict (read with `weights_only=True` and `mmap=Tr
 of tensors. Its keys are the plain model's state-dict keys.
 
 What each rank reads is what it holds, in the canonical layout checkpoints use (checkpoint/layout.py):
-a rank holding a parameter whole reads it whole; a ZeRO-3 rank reads only the pieces of each
-flattened parameter its shard holds — from a safetensors file, the rows that contain them, so no
-rank ever holds a whole model, nor a whole tensor it does not own; a pipeline stage reads its own
-layers. A tied weight is found under any of its names (transformers' files keep one of them).
+a rank holding a parameter whole reads it whole; a ZeRO-3 rank reads only the boxes of each
+parameter its shard holds, and a tensor-parallel rank its slice — from a safetensors file, the
+rows that contain them, so no rank ever holds a whole model, nor a whole tensor it does not own;
+a pipeline stage reads its own layers. A tied weight is found under any of its names (transformers' files keep one of them).
 
 Nothing is written until everything has been checked: every rank learns every rank's names
 (one small all-gather of names and shapes), so every rank finds the same missing, unexpected and
@@ -21,7 +21,6 @@ the model's dtype (a bf16 file loads into fp32 weights).
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, Mapping, Union
@@ -50,14 +49,12 @@ def load_weights(model: nn.Module, source: Source, *, strict: bool = True) -> No
         kind, name = key.split("/", 1)
         if name not in found:  # strict=False, or a buffer the state dict does not hold
             continue
-        if kind == "buffers":
-            target.copy_(reader.read(found[name]).view(target.shape))
-        elif hasattr(target, "local_shards"):  # ZeRO-3: pieces of the flattened parameter
+        if hasattr(target, "local_shards"):  # the boxes of it this rank holds (ZeRO-3, tp)
             for shard in target.local_shards():
-                start, length = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
-                shard.tensor.copy_(reader.read_flat(found[name], start, start + length))
+                shard.tensor.copy_(reader.read_box(found[name], shard.metadata.shard_offsets,
+                                                   shard.metadata.shard_sizes))
         else:
-            target.copy_(reader.read_flat(found[name], 0, target.numel()))
+            target.copy_(reader.read(found[name]).view(target.shape))
     loaded(model)
 
 
@@ -106,7 +103,7 @@ def _named(source: Source) -> str:
 
 
 class WeightsReader:
-    """Reads the tensors of a weights source by key, a tensor or a flat range of one at a time."""
+    """Reads the tensors of a weights source by key, a tensor or a box of one at a time."""
 
     def __init__(self, tensors: Mapping[str, Any], shapes: dict[str, tuple[int, ...]]):
         self.tensors = tensors  # key → a tensor, or a _SafeTensor (read when indexed)
@@ -120,15 +117,15 @@ class WeightsReader:
         value = self.tensors[key]
         return value if torch.is_tensor(value) else value.whole()
 
-    def read_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) of the flattened tensor, reading only the rows that hold them."""
-        shape = self._shapes[key]
-        if not shape or not math.prod(shape):
-            return self.read(key).reshape(-1)[start:stop]
-        row = math.prod(shape[1:])
-        first, last = start // row, -(-stop // row)
-        rows = self.tensors[key][first:last]
-        return rows.reshape(-1)[start - first * row:stop - first * row]
+    def read_box(self, key: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        """The box of the tensor at `offsets` of `sizes` (checkpoint/layout.py `boxes`), reading
+        only the rows that hold it (a 0-d tensor is stored as one element)."""
+        if not self._shapes[key]:
+            return self.read(key).reshape(sizes)
+        rows = self.tensors[key][offsets[0]:offsets[0] + sizes[0]]
+        for dim in range(1, len(sizes)):
+            rows = rows.narrow(dim, offsets[dim], sizes[dim])
+        return rows
 
 
 def open_weights(source: Source) -> WeightsReader:

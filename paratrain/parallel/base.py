@@ -32,6 +32,7 @@ the wrapper and the optimizer that steps it; it sits in the wrapper's own file, 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -71,6 +72,36 @@ class FlatLayout:
 
 
 @dataclass(frozen=True)
+class Slice:
+    """Which part of a whole parameter a rank holds, when tensor parallelism cuts it: part
+    `index` of `parts` equal parts along dimension `dim`."""
+
+    dim: int
+    index: int
+    parts: int
+
+    def offsets(self, local: torch.Size, index: int | None = None) -> list[int]:
+        """Where part `index` (this rank's by default) of local shape `local` starts in the whole."""
+        at = [0] * len(local)
+        at[self.dim] = (self.index if index is None else index) * local[self.dim]
+        return at
+
+    def runs(self, local: torch.Size, start: int, length: int) -> list[tuple[int, int, int]]:
+        """Elements [start, start + length) of this rank's part (shape `local`), flattened, as
+        runs contiguous in the whole flattened parameter: (offset in the whole, offset in the
+        part, length). The part's elements of one index of the dimensions before `dim` are
+        contiguous, and sit `index` such blocks into the whole's."""
+        block = math.prod(local[self.dim:])
+        out, at = [], start
+        while at < start + length:
+            outer, inner = divmod(at, block)
+            n = min(block - inner, start + length - at)
+            out.append((outer * block * self.parts + self.index * block + inner, at, n))
+            at += n
+        return out
+
+
+@dataclass(frozen=True)
 class CheckpointLayout:
     """What one rank holds of a model, in the terms of the canonical layout (checkpoint/layout.py)."""
 
@@ -82,6 +113,9 @@ class CheckpointLayout:
     aliases: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names → its first
     persistent: frozenset[str] | None = None  # the buffers a state dict holds (None: all of them)
     after_load: Callable[[], None] | None = None  # a collective run once values were loaded in
+    # parameters held in part (tensor parallelism): `params` and the flat slots hold the part, of
+    # the part's shape; `shapes` gives the whole one
+    slices: dict[str, Slice] = field(default_factory=dict)
 
     @classmethod
     def whole(cls, module: nn.Module, flat: dict | None = None,

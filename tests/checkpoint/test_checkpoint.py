@@ -89,6 +89,34 @@ def test_a_checkpoint_loads_under_another_world_size_and_strategy(tmp_path, save
         assert_same_params(state, expected, atol=1e-6)  # measured: at most 6.0e-8
 
 
+def _train_and_save_format_1(topo, strategy, steps, path):
+    """As paratrain before tensor parallelism saved: every parameter flattened (format 1)."""
+    checkpoint.save_load.FORMAT = 1
+    return _train_and_save(topo, strategy, steps, path)
+
+
+def _stored_sizes(path):
+    metadata = torch.distributed.checkpoint.FileSystemReader(path).read_metadata()
+    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if k.startswith(("model/", "optim/"))}
+
+
+def test_a_format_1_checkpoint_still_loads_and_format_2_keeps_the_shapes(tmp_path):
+    """Format 2 stores each parameter and its optimizer state at the parameter's shape; a
+    format 1 checkpoint (flattened) written by ZeRO-3 still loads, into DDP at another world."""
+    old, new = str(tmp_path / "format1"), str(tmp_path / "format2")
+    run_on_ranks(_train_and_save_format_1, 2, "zero3", 3, old)
+    run_on_ranks(_train_and_save, 2, "zero3", 3, new)
+    shapes = {n: tuple(p.shape) for n, p in make_model("tied").named_parameters()}
+    assert _stored_sizes(old)["model/proj_in.weight"] == (12 * 12,)
+    assert {k: v for k, v in _stored_sizes(new).items() if k.split("/")[-1] != "step"} == {
+        **{f"model/{n}": s for n, s in shapes.items()},
+        **{f"optim/{n}/{key}": s for n, s in shapes.items() for key in ("exp_avg", "exp_avg_sq")}}
+    expected = run_on_ranks(_uninterrupted, 1, "single", 5)[0]
+    for path in (old, new):
+        for state in run_on_ranks(_load_and_train, 4, "ddp", 2, path):
+            assert_same_params(state, expected, atol=1e-6)
+
+
 def _two_groups(model):
     """SGD with the first layer in a group of its own: on 2 stages, stage 1 holds none of it."""
     first = list(model[0].parameters())

@@ -28,7 +28,7 @@ step, so it stays equal without communication; tests check that it does.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -40,8 +40,8 @@ from paratrain.components.optim import check_optimizer_owns, clip_grad_norm_over
 from paratrain.distributed.comm import broadcast_coalesced
 from paratrain.distributed.grid import ProcessGrid
 from paratrain.distributed.topology import Topology
-from paratrain.errors import ConfigError, UsageError
-from paratrain.parallel.base import CheckpointLayout, ParallelModule, Strategy, Wrapping
+from paratrain.errors import ConfigError
+from paratrain.parallel.base import CheckpointLayout, ParallelModule, Slice, Strategy, Wrapping
 from paratrain.parallel.context import ContextParallelModel
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.pipeline import Pipeline, PipelineStage
@@ -165,6 +165,10 @@ class Mesh(Strategy):
         return TensorParallelModel(inner, cut, tp_group, holders, grid.tp_rank), optimizer
 
 
+def _scaled(shape: torch.Size, dim: int, parts: int) -> torch.Size:
+    return torch.Size(d * parts if i == dim else d for i, d in enumerate(shape))
+
+
 def _rebuilt(optimizer: torch.optim.Optimizer, cut: Cut) -> torch.optim.Optimizer:
     """`optimizer` for the cut model: each replaced parameter by its successor."""
     stateful = [p for p in cut.replaced if optimizer.state.get(p)]
@@ -222,8 +226,13 @@ class TensorParallelModel(Wrapping):
         return counted
 
     def checkpoint_layout(self) -> CheckpointLayout:
-        raise UsageError("checkpoints of a tensor-parallel model are not supported yet: save "
-                         "session.full_state_dict() (whole tensors under the model's keys) on rank 0 instead")
+        """The inner wrapper's layout, each cut parameter a slice of the whole, which `shapes`
+        gives (checkpoint/layout.py): so a checkpoint loads at another tp, or none."""
+        layout = self.inner.checkpoint_layout()
+        tp = dist.get_world_size(self.tp_group)
+        slices = {n: Slice(self.shard_dims[n], self.tp_rank, tp) for n in layout.shapes if n in self.shard_dims}
+        shapes = {n: _scaled(s, slices[n].dim, tp) if n in slices else s for n, s in layout.shapes.items()}
+        return replace(layout, shapes=shapes, slices=slices)
 
     def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
         """The inner wrapper's pieces, each cut tensor gathered whole over tp (collective)."""
