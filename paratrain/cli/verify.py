@@ -90,8 +90,9 @@ def _check_summaries(ref, held, length, rtol, atol):
     whole = {r: s for r, pieces in held.items() for _, n, s in pieces if n == length}
     if whole:  # replicated: every holder compared
         parts = whole
-    else:  # sharded: the pieces of every rank add up to the parameter's
-        parts = {min(held): sum(s for pieces in held.values() for _, _, s in pieces)}
+    else:  # sharded: the pieces of every rank add up to the parameter's, a replica's counted once
+        distinct = {(o, n): s for pieces in held.values() for o, n, s in pieces}
+        parts = {min(held): sum(distinct.values())}
     errors = {}
     for rank, s in parts.items():
         diff = float((s[1:] - ref[1:]).norm()) / math.sqrt(PROJECTIONS)

@@ -43,6 +43,7 @@ every rank, `dropped-bucket` zeroes the whole DDP gradient bucket holding it on 
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from pathlib import Path
@@ -144,15 +145,27 @@ def _holdings(model: nn.Module, grads: bool) -> dict[str, list[tuple[int, torch.
     for name, p in layout.params.items():
         t = p.grad if grads else p
         if t is not None and name not in stepped_flat:
-            out.setdefault(name, []).append((0, t.detach().reshape(-1)))
+            out.setdefault(name, []).extend(_runs(layout, name, p.shape, t.detach().reshape(-1), 0))
     if layout.params_in_flat or grads:
         for shard, flat in layout.flat.items():
             t = shard.grad if grads else shard
             if t is None:
                 continue
+            shapes = {name: shape for name, _, shape in flat.slots}
             for name, offset, local, length in flat.pieces(flat.rank):
-                out.setdefault(name, []).append((offset, t.detach().reshape(-1)[local:local + length]))
+                values = t.detach().reshape(-1)[local:local + length]
+                out.setdefault(name, []).extend(_runs(layout, name, shapes[name], values, offset))
     return out
+
+
+def _runs(layout, name: str, held: torch.Size, values: torch.Tensor, start: int) -> list[tuple[int, torch.Tensor]]:
+    """(offset in the whole flattened parameter, values there) for `values`, elements from
+    `start` of what this rank holds of `name` (of shape `held`): one run, or under tensor
+    parallelism a run per row of its slice (views: an injected bug writes through them)."""
+    cut = layout.slices.get(name)
+    if cut is None:
+        return [(start, values)]
+    return [(whole, values[at - start:at - start + n]) for whole, at, n in cut.runs(held, start, values.numel())]
 
 
 def _pieces(model: nn.Module, grads: bool) -> dict[str, list[tuple[int, int, Any]]]:
@@ -160,9 +173,10 @@ def _pieces(model: nn.Module, grads: bool) -> dict[str, list[tuple[int, int, Any
     shapes = layout_of(model).shapes
     out = {}
     for name, held in _holdings(model, grads).items():
-        whole = shapes[name].numel()
-        out[name] = [(offset, t.numel(), t.float().cpu().clone() if whole <= FULL_LIMIT else summary(name, offset, t))
-                     for offset, t in held]
+        if shapes[name].numel() <= FULL_LIMIT:
+            out[name] = [(offset, t.numel(), t.float().cpu().clone()) for offset, t in held]
+        else:  # one summary of everything this rank holds of it (its runs add up)
+            out[name] = [(held[0][0], sum(t.numel() for _, t in held), sum(summary(name, o, t) for o, t in held))]
     return out
 
 
@@ -176,11 +190,18 @@ def summary(name: str, offset: int, values: torch.Tensor) -> torch.Tensor:
     while start < offset + values.numel():
         chunk = start // CHUNK
         stop = min((chunk + 1) * CHUNK, offset + values.numel())
-        g = torch.Generator().manual_seed(zlib.crc32(name.encode()) * 1_000_003 + chunk)
-        r = torch.randn(CHUNK, PROJECTIONS, generator=g, dtype=torch.float64)[start - chunk * CHUNK:stop - chunk * CHUNK]
+        r = _projections(name, chunk)[start - chunk * CHUNK:stop - chunk * CHUNK]
         out[1:] += values[start - offset:stop - offset] @ r
         start = stop
     return out
+
+
+@functools.lru_cache(maxsize=2)
+def _projections(name: str, chunk: int) -> torch.Tensor:
+    """The random vectors of one chunk of `name`, kept while the next pieces read it (a
+    tensor-parallel slice is a run per row, many to a chunk)."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) * 1_000_003 + chunk)
+    return torch.randn(CHUNK, PROJECTIONS, generator=g, dtype=torch.float64)
 
 
 def _inject(model: nn.Module, how: list[str]) -> None:

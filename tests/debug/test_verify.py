@@ -11,6 +11,7 @@ import time
 import torch
 
 from paratrain.debug.verify import CHUNK, summary
+from paratrain.parallel.base import Slice
 from paratrain.cli.verify import _check_summaries
 
 ROOT = ROOT_DIR
@@ -111,6 +112,37 @@ def test_token_weighted_losses_are_compared_over_every_token(tmp_path):
     done, _ = verify("-n", "2", "--steps", "3", str(script), "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "2 processes (the script's) against 1 (single), 3 optimizer step(s): they agree." in done.stdout
+
+
+def test_verify_checks_a_tensor_parallel_job_and_names_a_bug_in_a_slice(tmp_path):
+    """tp2 × zero3 at 4 processes agrees with one process (each rank's holdings are runs of its
+    slice, or of the flat shard of it); a slice's gradient left unaveraged on one rank is named."""
+    done, _ = verify("-n", "4", "--steps", "2", "examples/gpt.py", *GPT_SMALL, "--tp", "2", "--strategy", "zero3",
+                     "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "4 processes (the script's) against 1 (single), 2 optimizer step(s): they agree." in done.stdout
+    done, _ = verify("-n", "2", "--steps", "2", "examples/gpt.py", *GPT_SMALL, "--tp", "2", "--out", str(tmp_path),
+                     inject="unaveraged:blocks.1.attn.q.weight:2:1")
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    assert "first difference: optimizer step 2, the gradient of blocks.1.attn.q.weight\n" in done.stdout, done.stdout
+    assert "on rank 1; rank 0 agrees" in done.stdout, done.stdout
+
+
+def test_the_summaries_of_a_slices_runs_add_up_to_the_whole():
+    """A parameter cut along its columns (a row-parallel weight) is held as a run per row; the
+    two slices' summaries, each the sum over its runs, add up to the whole parameter's."""
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(3, CHUNK // 2 + 8, dtype=torch.float64, generator=g)  # rows across chunk bounds
+    parts = whole.chunk(2, dim=1)
+    total = 0
+    for index, part in enumerate(parts):
+        runs = Slice(1, index, 2).runs(part.shape, 0, part.numel())
+        assert len(runs) == 3 and sum(n for _, _, n in runs) == part.numel()
+        flat = part.reshape(-1)
+        for at, local, n in runs:
+            assert torch.equal(whole.reshape(-1)[at:at + n], flat[local:local + n])
+            total = total + summary("w", at, flat[local:local + n])
+    assert torch.allclose(total, summary("w", 0, whole.reshape(-1)), rtol=1e-10, atol=1e-9)
 
 
 def test_verify_checks_a_context_parallel_job_and_names_a_bug_in_it(tmp_path):
