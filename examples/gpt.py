@@ -7,6 +7,7 @@
     paratrain run -n 4 examples/gpt.py --strategy pipeline --stages 4 --layers 4   # a block per stage
     paratrain run -n 2 examples/gpt.py --tp 2              # each block's weights split over two ranks
     paratrain run -n 4 examples/gpt.py --tp 2 --strategy zero3   # tp 2 x zero3 over 2
+    paratrain run -n 2 examples/gpt.py --tp 2 --sequence-parallel   # norms on half the sequence each
     paratrain run -n 2 examples/gpt.py --cp 2 --seq 4096 --batch-size 4   # each sequence cut over two ranks
     python examples/gpt.py --strategy single                # one process, the reference
 
@@ -22,7 +23,9 @@ LayerNorm and a head whose weight is the token embedding's (tied weights: one pa
 two places, which every strategy must handle). Under `--strategy zero3` each `Block` is a unit of
 its own: its parameters are gathered just before its forward and backward and freed after.
 With `--tp N` each block's projections are cut over N ranks (`GPT.tp_plan`, Megatron's split) and
-`--strategy` runs over the world / N ranks that hold the same slices. With `--cp N` each training
+`--strategy` runs over the world / N ranks that hold the same slices; `--sequence-parallel` also
+cuts the activations between them along the sequence (the LayerNorms, embeddings and head run on
+each rank's part). With `--cp N` each training
 sequence is cut over N ranks (context parallelism: `pt.Mesh(cp=N)`); attention, written with
 `F.scaled_dot_product_attention`, goes by ring between them, and the position embedding's
 `torch.arange` is given each rank's global positions, with no change to the model.
@@ -258,13 +261,14 @@ def save_results(out: str, rows: list[dict], losses: list[float]) -> None:
     fig.savefig(os.path.join(out, "loss.png"), dpi=100)
 
 
-def strategy_for(name: str, stages: int = 2, schedule: str = "1f1b", tp: int = 1, cp: int = 1) -> str | pt.Strategy:
+def strategy_for(name: str, stages: int = 2, schedule: str = "1f1b", tp: int = 1, cp: int = 1,
+                 sequence_parallel: bool = False) -> str | pt.Strategy:
     """zero3 with each transformer block a unit of its own; a pipeline cut between blocks (the
     token embedding on the first stage, tied to the head on the last); with `tp` > 1 the blocks
     cut over tp ranks (GPT.tp_plan), with `cp` > 1 each sequence cut over cp ranks, and `name` the
     data parallelism over the rest; any other name as it is."""
     if tp > 1 or cp > 1:
-        return pt.Mesh(tp=tp, cp=cp, dp=strategy_for(name))
+        return pt.Mesh(tp=tp, cp=cp, dp=strategy_for(name), sequence_parallel=sequence_parallel)
     if name == "zero3":
         return pt.ZeRO(stage=3, wrap_policy=pt.WrapPolicy(module_classes=(Block,)))
     if name == "pipeline":
@@ -280,6 +284,8 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor parallel: cut each block over this many ranks; --strategy (ddp, zero1-3) "
                              "then runs over the rest")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tp: cut the activations outside the cut layers along the sequence too")
     parser.add_argument("--cp", type=int, default=1,
                         help="context parallel: cut each sequence over this many ranks (2 x cp must divide "
                              "--block-size); --strategy then runs over the rest")
@@ -305,7 +311,8 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--out", default="runs/gpt")
     args = parser.parse_args(argv)
 
-    session = pt.Session(strategy=strategy_for(args.strategy, args.stages, args.schedule, args.tp, args.cp), seed=args.seed,
+    strategy = strategy_for(args.strategy, args.stages, args.schedule, args.tp, args.cp, args.sequence_parallel)
+    session = pt.Session(strategy=strategy, seed=args.seed,
                          max_grad_norm=args.max_grad_norm,
                          activation_checkpointing="auto" if args.activation_checkpointing else None)
     train, val = datasets(stdlib_docstrings(), args.block_size, args.steps * args.batch_size, args.seed)

@@ -115,10 +115,11 @@ def test_token_weighted_losses_are_compared_over_every_token(tmp_path):
 
 
 def test_verify_checks_a_tensor_parallel_job_and_names_a_bug_in_a_slice(tmp_path):
-    """tp2 × zero3 at 4 processes agrees with one process (each rank's holdings are runs of its
-    slice, or of the flat shard of it); a slice's gradient left unaveraged on one rank is named."""
+    """tp2 × zero3 at 4 processes, with sequence parallelism and activation checkpointing, agrees
+    with one process (each rank's holdings are runs of its slice, or of the flat shard of it); a
+    slice's gradient left unaveraged on one rank is named."""
     done, _ = verify("-n", "4", "--steps", "2", "examples/gpt.py", *GPT_SMALL, "--tp", "2", "--strategy", "zero3",
-                     "--out", str(tmp_path))
+                     "--sequence-parallel", "--activation-checkpointing", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "4 processes (the script's) against 1 (single), 2 optimizer step(s): they agree." in done.stdout
     done, _ = verify("-n", "2", "--steps", "2", "examples/gpt.py", *GPT_SMALL, "--tp", "2", "--out", str(tmp_path),

@@ -9,12 +9,15 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+COLLECTIVES = tuple(name for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                                       "reduce_scatter_tensor", "reduce_scatter_single", "broadcast")
+                    if hasattr(dist, name))
 
 
 @contextlib.contextmanager
 def counting_collectives() -> Iterator[list[tuple[str, int]]]:
-    """While this lasts, (function, elements of its tensor) of each collective called, in order."""
+    """While this lasts, (function, elements of its tensor) of each collective called, in order
+    (an all-gather's or reduce-scatter's output tensor, where it comes first)."""
     calls: list[tuple[str, int]] = []
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
 

@@ -12,6 +12,12 @@ model's state-dict keys, ZeRO's units and the optimizer see an ordinary module o
 
 `shard_dim` says which dimension of each parameter is split (checkpoints and full_state_dict
 gather along it); a parameter not listed is whole on every rank.
+
+Under sequence parallelism (sequence.py sets `sequence`), a ColwiseLinear's input arrives whole
+already ("gathered": its block gathered it) or is gathered here ("gather": an LM head), and the
+row-parallel layers reduce-scatter their output along the sequence instead of all-reducing it
+(while autograd records: ops.py `sequence_cut`; under no_grad as without it, and a "gathered"
+layer's f is the identity there).
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.errors import UsageError
-from paratrain.parallel.tensor.ops import copy_to, gather_last, reduce_from
+from paratrain.parallel.tensor.ops import (
+    copy_to,
+    gather_last,
+    gather_sequence,
+    reduce_from,
+    reduce_scatter_sequence,
+    sequence_cut,
+)
 
 
 class TensorParallel:
@@ -34,9 +47,14 @@ class TensorParallel:
     group = None
     tp_rank: int = 0
     tp: int = 1
+    sequence: str | None = None  # under sequence parallelism: how its activations are cut (above)
 
     def _join(self, group, tp_rank: int, tp: int) -> None:
         self.group, self.tp_rank, self.tp = group, tp_rank, tp
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's partial sums, summed: whole, or this rank's part of the sequence."""
+        return reduce_scatter_sequence(y, self.group) if self.sequence and sequence_cut() else reduce_from(y, self.group)
 
 
 def piece(tensor: torch.Tensor, dim: int, tp_rank: int, tp: int) -> torch.Tensor:
@@ -65,11 +83,16 @@ class ColwiseLinear(nn.Linear, TensorParallel):
         self.bias = _param(piece(linear.bias, 0, tp_rank, tp), linear.bias) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to(x, self.group), self.weight, self.bias)
+        if self.sequence is None:
+            x = copy_to(x, self.group)
+        elif self.sequence == "gather" and sequence_cut():
+            x = gather_sequence(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
         return gather_last(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, tp={self.tp_rank}/{self.tp}" + (", gather_output" if self.gather_output else "")
+        return (f"{super().extra_repr()}, tp={self.tp_rank}/{self.tp}" + (", gather_output" if self.gather_output else "")
+                + (f", sequence {self.sequence}" if self.sequence else ""))
 
 
 class RowwiseLinear(nn.Linear, TensorParallel):
@@ -91,7 +114,7 @@ class RowwiseLinear(nn.Linear, TensorParallel):
                              f"{self.in_features * self.tp} input features (a column-parallel layer's output), "
                              f"but got {x.shape[-1]}: put a 'colwise' layer before it in the plan, or "
                              "leave this layer out of the plan")
-        y = reduce_from(F.linear(x, self.weight), self.group)
+        y = self._reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -119,7 +142,7 @@ class VocabEmbedding(nn.Embedding, TensorParallel):
         outside = (ids < self.first) | (ids >= self.first + self.num_embeddings)
         local = (ids - self.first).masked_fill(outside, 0)
         rows = F.embedding(local, self.weight, self.padding_idx, None, 2.0, self.scale_grad_by_freq, False)
-        return reduce_from(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        return self._reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rows from {self.first}, tp={self.tp_rank}/{self.tp}"

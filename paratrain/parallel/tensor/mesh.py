@@ -48,6 +48,7 @@ from paratrain.parallel.pipeline import Pipeline, PipelineStage
 from paratrain.parallel.single import SingleDevice
 from paratrain.parallel.tensor.parallelize import Cut, parallelize
 from paratrain.parallel.tensor.plan import plan_for
+from paratrain.parallel.tensor.sequence import SequenceParallel
 from paratrain.parallel.zero import ZeRO
 
 CP_MODES = ("ring", "all-to-all", "all-gather")
@@ -71,7 +72,7 @@ class Mesh(Strategy):
     cp_mode: str = "ring"  # "ring" (K, V passed around), "all-to-all" (heads scattered: Ulysses), "all-gather"
     cp_positions: bool = True  # under cp, torch.arange(local length) gives the tokens' global positions
     replicate: int = 1  # not yet: hybrid sharding
-    sequence_parallel: bool = False  # not yet
+    sequence_parallel: bool = False  # outside the cut layers, activations cut along the sequence over tp
 
     name = "mesh"
 
@@ -85,12 +86,14 @@ class Mesh(Strategy):
         if self.cp_mode not in CP_MODES:
             raise ConfigError(f"Mesh(cp_mode={self.cp_mode!r}): choose {', '.join(map(repr, CP_MODES[:-1]))} or "
                               f"{CP_MODES[-1]!r}")
-        later = [k for k, given, default in (("replicate", self.replicate, 1),
-                                             ("sequence_parallel", self.sequence_parallel, False))
-                 if given is not default and given != default]
-        if later:
-            raise ConfigError(f"Mesh does not compose {later} with tensor parallelism yet; it composes "
+        if self.replicate != 1:
+            raise ConfigError("Mesh does not compose ['replicate'] with tensor parallelism yet; it composes "
                               "tp and cp with dp='ddp', 'zero1', 'zero2' or 'zero3', or tp with pp=pt.Pipeline(...)")
+        if self.sequence_parallel not in (True, False):
+            raise ConfigError(f"Mesh(sequence_parallel=...) is True or False; got {self.sequence_parallel!r}")
+        if self.sequence_parallel and (self.tp == 1 or self.pp is not None or self.cp > 1):
+            raise ConfigError("Mesh(sequence_parallel=True) cuts the sequence over the tp ranks: it needs tp > 1, "
+                              "and does not compose with pp or cp yet")
         if self.cp > 1 and self.pp is not None:
             raise ConfigError("Mesh(cp=..., pp=...) is not supported yet: a pipeline's stages would each pass "
                               "their part of the sequence; use cp with dp and tp")
@@ -104,7 +107,7 @@ class Mesh(Strategy):
 
     def __hash__(self) -> int:
         return hash((self.tp, str(self.dp), self.pp, self.cp, self.cp_mode, self.cp_positions,
-                     tuple(sorted((self.tp_plan or {}).items()))))
+                     self.sequence_parallel, tuple(sorted((self.tp_plan or {}).items()))))
 
     def data_parallel(self) -> Strategy:
         """The data-parallel strategy object `dp` names."""
@@ -154,6 +157,7 @@ class Mesh(Strategy):
             model.to(device)
             broadcast_coalesced([*model.parameters(), *model.buffers()], tp_group)
         cut = parallelize(model, plan, tp_group, grid.tp_rank, self.tp)
+        sequence = SequenceParallel(model, tp_group) if self.sequence_parallel else None
         for name in plan.styles:
             model.get_submodule(name).to(device)
         if optimizer is not None:
@@ -162,6 +166,8 @@ class Mesh(Strategy):
             inner, optimizer = self.pp.setup(model, optimizer, grid, init=init)
         else:
             inner, optimizer = self._data_parallel(model, optimizer, grid, init)
+        if sequence is not None:
+            sequence.hook_gradients(inner.module)
         return TensorParallelModel(inner, cut, tp_group, holders, grid.tp_rank), optimizer
 
 

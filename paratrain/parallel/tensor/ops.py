@@ -9,6 +9,25 @@ forward's conjugate (Megatron-LM, Shoeybi et al. 2019, §3: the operators f and 
     gather_last(x)    all-gather along the last dimension; backward keeps this rank's slice.
                       After a column-parallel layer whose output must be whole (an LM head).
 
+Under sequence parallelism (sequence.py; Korthikanti et al. 2022, §4.2.2), activations outside
+the cut layers are cut along the sequence, dimension SEQ (-2: (batch, sequence, hidden)), and f
+and g become an all-gather and a reduce-scatter of the same bytes as g's all-reduce:
+
+    gather_sequence(x)          ḡ: all-gather along the sequence forward; reduce-scatter of the
+                                gradient backward. Before the column-parallel layers of a block.
+    reduce_scatter_sequence(x)  g̅: reduce-scatter along the sequence forward; all-gather of the
+                                gradient backward. After a row-parallel layer (for g).
+    split_sequence(x)           this rank's part of the sequence; backward puts its gradient
+                                there, zeros elsewhere (no communication): after an embedding
+                                every rank computes whole, whose weight's gradient is then the
+                                rank's part and is summed over tp with the other replicated ones.
+    gather_sequence_whole(x)    all-gather along the sequence; backward keeps this rank's part.
+                                The model's output, when its head ran on the parts.
+
+They apply while autograd records (`sequence_cut()`), where the activations' memory is what
+sequence parallelism saves; under torch.no_grad() (evaluation, sampling token by token, at any
+length) the model runs as plain tensor parallelism, with f and g.
+
 Every one takes the tensor-parallel group; on a group of one rank each is the identity.
 """
 
@@ -18,6 +37,11 @@ import weakref
 
 import torch
 import torch.distributed as dist
+
+from paratrain.distributed.comm import all_gather_cat, all_gather_with_grad, reduce_scatter
+from paratrain.errors import UsageError
+
+SEQ = -2  # the sequence dimension of the activations sequence parallelism cuts
 
 
 class _CopyTo(torch.autograd.Function):
@@ -46,17 +70,55 @@ class _ReduceFrom(torch.autograd.Function):
         return grad, None
 
 
-class _GatherLast(torch.autograd.Function):
+class _Gather(torch.autograd.Function):
+    """All-gather along `dim`; backward keeps this rank's slice (every rank's loss read the
+    whole alike, so each one's gradient for it is already whole)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group, ctx.rank, ctx.width = group, dist.get_rank(group), x.shape[-1]
+    def forward(ctx, x: torch.Tensor, group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.width, ctx.dim = group, dist.get_rank(group), x.shape[dim], dim
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None
+        return grad.narrow(ctx.dim, ctx.rank * ctx.width, ctx.width).contiguous(), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return reduce_scatter(_parts(x, group).movedim(SEQ, 0), group=group).movedim(0, SEQ).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_cat(grad, ctx.group, SEQ).contiguous(), None
+
+
+class _SplitSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        size = _parts(x, group).shape[SEQ] // dist.get_world_size(group)
+        ctx.shape, ctx.at, ctx.size = x.shape, dist.get_rank(group) * size, size
+        return x.narrow(SEQ, ctx.at, size).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        whole = grad.new_zeros(ctx.shape)
+        whole.narrow(SEQ, ctx.at, ctx.size).copy_(grad)
+        return whole, None
+
+
+def _parts(x: torch.Tensor, group) -> torch.Tensor:
+    """`x`, refused unless tp divides its sequence."""
+    tp = dist.get_world_size(group)
+    if x.dim() < 2 or x.shape[SEQ] % tp:
+        raise UsageError(f"sequence parallelism cuts dimension {SEQ} of the activations (batch, sequence, hidden) "
+                         f"into tp={tp} parts, but got an activation of shape {tuple(x.shape)}: make the sequence "
+                         f"length a multiple of {tp}, or leave sequence_parallel off")
+    return x
 
 
 class _LastCopy:
@@ -107,4 +169,29 @@ def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
 
 def gather_last(x: torch.Tensor, group) -> torch.Tensor:
     """All-gather along the last dimension; backward keeps this rank's slice."""
-    return _GatherLast.apply(x, group)
+    return _Gather.apply(x, group, -1)
+
+
+def sequence_cut() -> bool:
+    """Whether sequence parallelism cuts the activations now (module docstring)."""
+    return torch.is_grad_enabled()
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """ḡ: all-gather along the sequence; the gradient reduce-scattered back (module docstring)."""
+    return all_gather_with_grad(x, group, SEQ)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Reduce-scatter along the sequence; the gradient all-gathered back."""
+    return _ReduceScatterSequence.apply(x, group)
+
+
+def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's part of the sequence; the gradient zero-padded back, with no communication."""
+    return _SplitSequence.apply(x, group)
+
+
+def gather_sequence_whole(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along the sequence; backward keeps this rank's part."""
+    return _Gather.apply(x, group, SEQ)

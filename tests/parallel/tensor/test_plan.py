@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 import paratrain as pt
+from paratrain.parallel.tensor.parallelize import parallelize
 from paratrain.parallel.tensor.plan import COLWISE, GATHERED, ROWWISE, matches, plan_for
+from paratrain.parallel.tensor.sequence import SequenceParallel
 from tests.support.llama import PLAN, Llama
 
 
@@ -68,9 +70,39 @@ def test_a_model_without_a_plan_is_told_how_to_give_one():
 
 
 def test_mesh_refuses_what_it_does_not_compose_yet():
-    with pytest.raises(pt.ConfigError, match=r"\['replicate', 'sequence_parallel'\]"):
-        pt.Mesh(tp=2, cp=2, replicate=2, sequence_parallel=True)
+    with pytest.raises(pt.ConfigError, match=r"\['replicate'\]"):
+        pt.Mesh(tp=2, cp=2, replicate=2)
+    for kwargs in (dict(tp=1), dict(tp=2, cp=2), dict(tp=2, pp=pt.Pipeline(stages=2))):
+        with pytest.raises(pt.ConfigError, match=r"needs tp > 1, and does not compose with pp or cp yet"):
+            pt.Mesh(sequence_parallel=True, **kwargs)
     for dp in ("pipeline", "zero4", pt.Hierarchical()):
         with pytest.raises(pt.ConfigError, match=r"must be one of \['ddp', 'zero1', 'zero2', 'zero3'\]"):
             pt.Mesh(tp=2, dp=dp)
     assert pt.Mesh(tp=2, tp_plan=PLAN) == pt.Mesh(tp=2, tp_plan=dict(PLAN))
+
+
+def sequence_parallel(model, plan):
+    """Sequence parallelism's checks on `model` cut by `plan` at tp 2 (no process: they are static)."""
+    parallelize(model, plan_for(model, plan, 2), None, 0, 2)
+    return SequenceParallel(model, None)
+
+
+def test_sequence_parallelism_names_what_it_cannot_cut():
+    nested = {**PLAN, "layers.*.extra": "colwise"}  # a block's own colwise layer: the block would gather too
+    model = Llama()
+    for layer in model.layers:
+        layer.extra = nn.Linear(32, 32)
+    with pytest.raises(pt.ConfigError, match=r"layers\.0\.attn sits inside layers\.0, another"):
+        sequence_parallel(model, nested)
+    with pytest.raises(pt.ConfigError, match=r"lm_head is row-parallel outside every block"):
+        sequence_parallel(Llama(), {**PLAN, "lm_head": "rowwise"})
+    shared = Llama()  # a norm's weight also read inside the attention, where the sequence is whole
+    shared.layers[0].attn.scale = shared.layers[0].attn_norm.weight
+    with pytest.raises(pt.ConfigError, match=r"used both on the sequence's parts \(layers\.0\.attn_norm\.weight\) "
+                                             r"and where it is whole \(layers\.0\.attn\.scale\)"):
+        sequence_parallel(shared, PLAN)
+    cut = sequence_parallel(Llama(tied=True, bias=True), PLAN)
+    assert cut.blocks == [f"layers.{i}.{m}" for i in range(2) for m in ("attn", "mlp")]
+    assert cut.summed == {"embed.weight", "lm_head.weight", "norm.weight",
+                          *(f"layers.{i}.{n}" for i in range(2) for n in ("attn_norm.weight", "mlp_norm.weight",
+                                                                            "mlp.down.bias"))}

@@ -121,13 +121,21 @@ def assert_close(got, want, atol=1e-6):
         assert torch.allclose(got[k], want[k], atol=atol, rtol=0), (k, (got[k] - want[k]).abs().max().item())
 
 
+VOCAB_CUT = {**PLAN, "embed": "rowwise", "lm_head": "colwise_rep"}
 CASES = {  # world → (strategy, training settings) run in one job each
     2: [(pt.Mesh(tp=2), {}), (pt.Mesh(tp=2), dict(kind="sgd", clip=0.5, tied=True, bias=True)),
-        (pt.Mesh(tp=2, tp_plan={**PLAN, "embed": "rowwise", "lm_head": "colwise_rep"}), dict(tied=True)),
-        (pt.Mesh(tp=2), dict(meta=True)), (pt.Mesh(tp=2), dict(hf=True)), (None, {})],
+        (pt.Mesh(tp=2, tp_plan=VOCAB_CUT), dict(tied=True)),
+        (pt.Mesh(tp=2), dict(meta=True)), (pt.Mesh(tp=2), dict(hf=True)), (None, {}),
+        # sequence parallelism: the embedding and tied head held whole (each rank's part of the
+        # sequence, their gradients summed over tp), or both cut by the vocabulary
+        (pt.Mesh(tp=2, sequence_parallel=True), dict(tied=True, bias=True)),
+        (pt.Mesh(tp=2, sequence_parallel=True, tp_plan=VOCAB_CUT), dict(tied=True, kind="sgd", clip=0.5))],
     4: [(pt.Mesh(tp=2, dp="ddp"), {}), (pt.Mesh(tp=2, dp="zero1"), {}), (pt.Mesh(tp=2, dp="zero2"), dict(clip=0.5)),
         (pt.Mesh(tp=2, dp="zero3"), dict(clip=0.5)), (pt.Mesh(tp=4), dict(heads=4, kv_heads=4)),
-        (pt.Mesh(tp=2, pp=pt.Pipeline(stages=2, microbatches=2, layers="layers")), dict(tied=True, clip=0.5))],
+        (pt.Mesh(tp=2, pp=pt.Pipeline(stages=2, microbatches=2, layers="layers")), dict(tied=True, clip=0.5)),
+        (pt.Mesh(tp=2, dp="zero3", sequence_parallel=True), dict(tied=True, bias=True)),
+        (pt.Mesh(tp=2, dp="ddp", sequence_parallel=True), dict(bias=True)),
+        (pt.Mesh(tp=4, sequence_parallel=True), dict(heads=4, kv_heads=4, tied=True))],
 }
 
 
@@ -165,9 +173,10 @@ def test_torch_dtensor_tensor_parallelism_reaches_the_same_parameters(runs):
     assert_close(theirs, reference())
 
 
-def count_collectives(topo, layers):
+def count_collectives(topo, layers, sequence_parallel=False):
     """The collectives one forward and backward of the cut model issues: (name, elements) each."""
-    with pt.Session(strategy=pt.Mesh(tp=2), topology=topo, progress_bar=False) as session:
+    with pt.Session(strategy=pt.Mesh(tp=2, sequence_parallel=sequence_parallel), topology=topo,
+                    progress_bar=False) as session:
         model = llama(layers=layers)
         model, _ = session.setup(model, optimizer(model.parameters(), "sgd"))
         x, y = token_batches(1, GLOBAL_BATCH)[0]
@@ -184,3 +193,48 @@ def test_each_block_all_reduces_its_activations_once_forward_and_once_backward()
     b_s_h = GLOBAL_BATCH * token_batches(1, GLOBAL_BATCH)[0][0].shape[1] * width
     for calls in run_on_ranks(count_collectives, 2, layers, timeout=120):
         assert calls == [("all_reduce", b_s_h)] * (4 * layers)
+
+
+def test_sequence_parallelism_gathers_and_scatters_the_bytes_tensor_parallelism_all_reduces():
+    """Under sequence parallelism no activation is all-reduced: per block half, an all-gather of
+    b·s·h elements before its column-parallel layers and a reduce-scatter to b·s·h / tp after its
+    row-parallel one, and the reverse in backward (each half the bytes of an all-reduce); the
+    logits gathered once (b·s/tp·V each); and one all-reduce per parameter held whole, of its
+    gradient (norms, embedding, head): Korthikanti et al. (2022), §4.2.2."""
+    layers, width, vocab, tp = 3, 32, 64, 2
+    x, _ = token_batches(1, GLOBAL_BATCH)[0]
+    b_s_h = x.numel() * width
+    gather = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+    scatter = "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single") else "reduce_scatter_tensor"
+    whole = {"embed.weight": vocab * width, "lm_head.weight": vocab * width, "norm.weight": width}
+    whole.update({f"layers.{i}.{n}.weight": width for i in range(layers) for n in ("attn_norm", "mlp_norm")})
+    for calls in run_on_ranks(count_collectives, 2, layers, True, timeout=120):
+        forward = calls[:4 * layers + 1]
+        assert forward == [(gather, b_s_h), (scatter, b_s_h // tp)] * (2 * layers) + [("all_gather", x.numel() * vocab // tp)]
+        backward = calls[4 * layers + 1:]
+        assert sorted(n for name, n in backward if name == "all_reduce") == sorted(whole.values())
+        assert sorted(c for c in backward if c[0] != "all_reduce") == sorted([(gather, b_s_h), (scatter, b_s_h // tp)] * (2 * layers))
+
+
+def odd_lengths(topo):
+    """Under sequence parallelism at tp 2: the model's logits for a 7-token sequence under
+    torch.no_grad() (sampling), and the error for one while autograd records."""
+    with pt.Session(strategy=pt.Mesh(tp=2, sequence_parallel=True), topology=topo, progress_bar=False) as session:
+        model = llama(tied=True)
+        model, _ = session.setup(model, optimizer(model.parameters(), "sgd"))
+        ids = token_batches(1, 2, seq=7)[0][0]
+        with torch.no_grad():
+            logits = model(ids)
+        try:
+            model(ids)
+        except pt.UsageError as e:
+            return logits, str(e)
+
+
+def test_sequence_parallelism_runs_any_length_under_no_grad_and_names_the_length_it_cannot_cut():
+    ids = token_batches(1, 2, seq=7)[0][0]
+    with torch.no_grad():
+        expected = llama(tied=True)(ids)
+    for logits, error in run_on_ranks(odd_lengths, 2, timeout=120):
+        assert torch.allclose(logits, expected, atol=1e-12, rtol=0)
+        assert "activation of shape (2, 7, 32): make the sequence length a multiple of 2" in error
