@@ -85,16 +85,35 @@ def train(topo, strategy, kind="adam", clip=None, hf=False, meta=False, **model_
                 replica=model.replica_index, port=port)
 
 
-def train_dtensor(topo, **model_kwargs):
-    """The same model and plan under torch's own tensor parallelism (DTensor's parallelize_module)."""
+def train_dtensor(topo, sequence=False, **model_kwargs):
+    """The same model and plan under torch's own tensor parallelism (DTensor's parallelize_module);
+    `sequence`: with its sequence parallelism, as torchtitan's Llama plan writes it (the
+    embedding and head cut by the vocabulary)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     topo = topo.init(timeout=60)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     model = llama(**model_kwargs)
-    parallelize_module(model, init_device_mesh("cpu", (topo.world_size,)), {k: styles[v]() for k, v in PLAN.items()})
+    if sequence:
+        parts, whole = (Shard(1), None), (Replicate(), None)  # a block's (hidden states, positions)
+        plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "layers.*.attn_norm": SequenceParallel(), "layers.*.mlp_norm": SequenceParallel(),
+                "layers.*.attn": PrepareModuleInput(input_layouts=parts, desired_input_layouts=whole),
+                "layers.*.mlp": PrepareModuleInput(input_layouts=parts[:1], desired_input_layouts=whole[:1]),
+                "layers.*.attn.o": RowwiseParallel(output_layouts=Shard(1)),
+                "layers.*.mlp.down": RowwiseParallel(output_layouts=Shard(1)), "norm": SequenceParallel(),
+                "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+        plan.update({k: ColwiseParallel() for k, v in PLAN.items() if v == "colwise"})
+    else:
+        plan = {k: {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[v]() for k, v in PLAN.items()}
+    parallelize_module(model, init_device_mesh("cpu", (topo.world_size,)), plan)
     opt = optimizer(model.parameters(), "adam")
     for x, y in loader():
         lm_loss(model(x), y).backward()
@@ -109,7 +128,7 @@ def train_dtensor(topo, **model_kwargs):
 def sweep(topo, cases):
     out = []
     for strategy, kwargs in cases:
-        out.append(train(topo, strategy, **kwargs) if strategy is not None else train_dtensor(topo, **kwargs))
+        out.append(train(topo, strategy, **kwargs) if strategy != "dtensor" else train_dtensor(topo, **kwargs))
         topo = dataclasses.replace(topo, master_port=out[-1]["port"])
     return out
 
@@ -125,7 +144,8 @@ VOCAB_CUT = {**PLAN, "embed": "rowwise", "lm_head": "colwise_rep"}
 CASES = {  # world → (strategy, training settings) run in one job each
     2: [(pt.Mesh(tp=2), {}), (pt.Mesh(tp=2), dict(kind="sgd", clip=0.5, tied=True, bias=True)),
         (pt.Mesh(tp=2, tp_plan=VOCAB_CUT), dict(tied=True)),
-        (pt.Mesh(tp=2), dict(meta=True)), (pt.Mesh(tp=2), dict(hf=True)), (None, {}),
+        (pt.Mesh(tp=2), dict(meta=True)), (pt.Mesh(tp=2), dict(hf=True)), ("dtensor", {}),
+        ("dtensor", dict(sequence=True)), (pt.Mesh(tp=2, sequence_parallel=True, tp_plan=VOCAB_CUT), {}),
         # sequence parallelism: the embedding and tied head held whole (each rank's part of the
         # sequence, their gradients summed over tp), or both cut by the vocabulary
         (pt.Mesh(tp=2, sequence_parallel=True), dict(tied=True, bias=True)),
@@ -145,7 +165,7 @@ def runs():
 
 
 @pytest.mark.parametrize("world,index", [(w, i) for w, cases in CASES.items() for i, (strategy, _) in enumerate(cases)
-                                         if strategy is not None])
+                                         if strategy != "dtensor"])
 def test_tensor_parallel_training_matches_one_process(runs, world, index):
     strategy, kwargs = CASES[world][index]
     results = [rank[index] for rank in runs[world]]
@@ -164,11 +184,14 @@ def test_tensor_parallel_training_matches_one_process(runs, world, index):
     assert sorted(r["replica"] for r in results) == sorted(i % replicas for i in range(world))
 
 
-def test_torch_dtensor_tensor_parallelism_reaches_the_same_parameters(runs):
-    """torch's parallelize_module with the same plan (ColwiseParallel / RowwiseParallel) and ours
-    agree, and both agree with one process."""
-    ours = runs[2][0][0]["whole"]
-    theirs = runs[2][0][CASES[2].index((None, {}))]["whole"]
+@pytest.mark.parametrize("ours,theirs", [((pt.Mesh(tp=2), {}), ("dtensor", {})),
+                                         ((pt.Mesh(tp=2, sequence_parallel=True, tp_plan=VOCAB_CUT), {}),
+                                          ("dtensor", dict(sequence=True)))])
+def test_torch_dtensor_tensor_parallelism_reaches_the_same_parameters(runs, ours, theirs):
+    """torch's parallelize_module with the same plan (ColwiseParallel / RowwiseParallel; with
+    sequence parallelism, torchtitan's SequenceParallel and PrepareModuleInput) and ours agree,
+    and both agree with one process."""
+    ours, theirs = (runs[2][0][CASES[2].index(case)]["whole"] for case in (ours, theirs))
     assert_close(ours, theirs)
     assert_close(theirs, reference())
 
