@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.errors import UsageError
+from paratrain.parallel.tensor.loss import vocab_parallel
 from paratrain.parallel.tensor.ops import (
     copy_to,
     gather_last,
@@ -82,17 +83,22 @@ class ColwiseLinear(nn.Linear, TensorParallel):
         self.weight = _param(piece(linear.weight, 0, tp_rank, tp), linear.weight)
         self.bias = _param(piece(linear.bias, 0, tp_rank, tp), linear.bias) if linear.bias is not None else None
 
+    loss_parallel = False  # a head whose logits stay cut by the vocabulary while training (loss.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence is None:
             x = copy_to(x, self.group)
         elif self.sequence == "gather" and sequence_cut():
             x = gather_sequence(x, self.group)
         y = F.linear(x, self.weight, self.bias)
+        if self.loss_parallel:
+            return vocab_parallel(y, self.group, self.tp_rank * self.out_features) if torch.is_grad_enabled() \
+                else gather_last(y, self.group)
         return gather_last(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, tp={self.tp_rank}/{self.tp}" + (", gather_output" if self.gather_output else "")
-                + (f", sequence {self.sequence}" if self.sequence else ""))
+                + (f", sequence {self.sequence}" if self.sequence else "") + (", loss_parallel" if self.loss_parallel else ""))
 
 
 class RowwiseLinear(nn.Linear, TensorParallel):

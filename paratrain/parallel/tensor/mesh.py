@@ -46,6 +46,7 @@ from paratrain.parallel.context import ContextParallelModel
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.pipeline import Pipeline, PipelineStage
 from paratrain.parallel.single import SingleDevice
+from paratrain.parallel.tensor.layers import ColwiseLinear
 from paratrain.parallel.tensor.parallelize import Cut, parallelize
 from paratrain.parallel.tensor.plan import plan_for
 from paratrain.parallel.tensor.sequence import SequenceParallel
@@ -73,6 +74,7 @@ class Mesh(Strategy):
     cp_positions: bool = True  # under cp, torch.arange(local length) gives the tokens' global positions
     replicate: int = 1  # not yet: hybrid sharding
     sequence_parallel: bool = False  # outside the cut layers, activations cut along the sequence over tp
+    loss_parallel: bool = False  # the head's logits stay cut by the vocabulary; cross-entropy across tp
 
     name = "mesh"
 
@@ -89,8 +91,12 @@ class Mesh(Strategy):
         if self.replicate != 1:
             raise ConfigError("Mesh does not compose ['replicate'] with tensor parallelism yet; it composes "
                               "tp and cp with dp='ddp', 'zero1', 'zero2' or 'zero3', or tp with pp=pt.Pipeline(...)")
-        if self.sequence_parallel not in (True, False):
-            raise ConfigError(f"Mesh(sequence_parallel=...) is True or False; got {self.sequence_parallel!r}")
+        for flag in ("sequence_parallel", "loss_parallel"):
+            if getattr(self, flag) not in (True, False):
+                raise ConfigError(f"Mesh({flag}=...) is True or False; got {getattr(self, flag)!r}")
+        if self.loss_parallel and (self.tp == 1 or self.pp is not None):
+            raise ConfigError("Mesh(loss_parallel=True) keeps the logits cut over the tp ranks: it needs tp > 1, "
+                              "and does not compose with pp yet")
         if self.sequence_parallel and (self.tp == 1 or self.pp is not None or self.cp > 1):
             raise ConfigError("Mesh(sequence_parallel=True) cuts the sequence over the tp ranks: it needs tp > 1, "
                               "and does not compose with pp or cp yet")
@@ -107,7 +113,7 @@ class Mesh(Strategy):
 
     def __hash__(self) -> int:
         return hash((self.tp, str(self.dp), self.pp, self.cp, self.cp_mode, self.cp_positions,
-                     self.sequence_parallel, tuple(sorted((self.tp_plan or {}).items()))))
+                     self.sequence_parallel, self.loss_parallel, tuple(sorted((self.tp_plan or {}).items()))))
 
     def data_parallel(self) -> Strategy:
         """The data-parallel strategy object `dp` names."""
@@ -158,6 +164,8 @@ class Mesh(Strategy):
             broadcast_coalesced([*model.parameters(), *model.buffers()], tp_group)
         cut = parallelize(model, plan, tp_group, grid.tp_rank, self.tp)
         sequence = SequenceParallel(model, tp_group) if self.sequence_parallel else None
+        if self.loss_parallel:
+            _keep_logits_cut(model)
         for name in plan.styles:
             model.get_submodule(name).to(device)
         if optimizer is not None:
@@ -169,6 +177,17 @@ class Mesh(Strategy):
         if sequence is not None:
             sequence.hook_gradients(inner.module)
         return TensorParallelModel(inner, cut, tp_group, holders, grid.tp_rank), optimizer
+
+
+def _keep_logits_cut(model: nn.Module) -> None:
+    """Loss parallelism (loss.py): the column-parallel heads at the top of the model keep their
+    logits cut by the vocabulary while training."""
+    heads = [m for name, m in model.named_children() if isinstance(m, ColwiseLinear)]
+    if not heads:
+        raise ConfigError(f"Mesh(loss_parallel=True) needs the model's head, a linear layer at the top of "
+                          f"{type(model).__name__}, cut 'colwise' (or 'colwise_rep') in the plan")
+    for head in heads:
+        head.loss_parallel = True
 
 
 def _scaled(shape: torch.Size, dim: int, parts: int) -> torch.Size:

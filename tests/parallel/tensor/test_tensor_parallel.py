@@ -149,13 +149,18 @@ CASES = {  # world → (strategy, training settings) run in one job each
         # sequence parallelism: the embedding and tied head held whole (each rank's part of the
         # sequence, their gradients summed over tp), or both cut by the vocabulary
         (pt.Mesh(tp=2, sequence_parallel=True), dict(tied=True, bias=True)),
-        (pt.Mesh(tp=2, sequence_parallel=True, tp_plan=VOCAB_CUT), dict(tied=True, kind="sgd", clip=0.5))],
+        (pt.Mesh(tp=2, sequence_parallel=True, tp_plan=VOCAB_CUT), dict(tied=True, kind="sgd", clip=0.5)),
+        # loss parallelism: the cross-entropy of logits cut by the vocabulary, with sequence
+        # parallelism and a tied embedding, and alone
+        (pt.Mesh(tp=2, sequence_parallel=True, loss_parallel=True, tp_plan=VOCAB_CUT), dict(tied=True)),
+        (pt.Mesh(tp=2, loss_parallel=True, tp_plan={**PLAN, "lm_head": "colwise"}), dict(kind="sgd", clip=0.5))],
     4: [(pt.Mesh(tp=2, dp="ddp"), {}), (pt.Mesh(tp=2, dp="zero1"), {}), (pt.Mesh(tp=2, dp="zero2"), dict(clip=0.5)),
         (pt.Mesh(tp=2, dp="zero3"), dict(clip=0.5)), (pt.Mesh(tp=4), dict(heads=4, kv_heads=4)),
         (pt.Mesh(tp=2, pp=pt.Pipeline(stages=2, microbatches=2, layers="layers")), dict(tied=True, clip=0.5)),
         (pt.Mesh(tp=2, dp="zero3", sequence_parallel=True), dict(tied=True, bias=True)),
         (pt.Mesh(tp=2, dp="ddp", sequence_parallel=True), dict(bias=True)),
-        (pt.Mesh(tp=4, sequence_parallel=True), dict(heads=4, kv_heads=4, tied=True))],
+        (pt.Mesh(tp=4, sequence_parallel=True), dict(heads=4, kv_heads=4, tied=True)),
+        (pt.Mesh(tp=2, dp="zero3", sequence_parallel=True, loss_parallel=True, tp_plan=VOCAB_CUT), dict(tied=True))],
 }
 
 
@@ -196,10 +201,11 @@ def test_torch_dtensor_tensor_parallelism_reaches_the_same_parameters(runs, ours
     assert_close(theirs, reference())
 
 
-def count_collectives(topo, layers, sequence_parallel=False):
+def count_collectives(topo, layers, sequence_parallel=False, loss_parallel=False):
     """The collectives one forward and backward of the cut model issues: (name, elements) each."""
-    with pt.Session(strategy=pt.Mesh(tp=2, sequence_parallel=sequence_parallel), topology=topo,
-                    progress_bar=False) as session:
+    plan = {**PLAN, "lm_head": "colwise"} if loss_parallel else None
+    with pt.Session(strategy=pt.Mesh(tp=2, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                     tp_plan=plan), topology=topo, progress_bar=False) as session:
         model = llama(layers=layers)
         model, _ = session.setup(model, optimizer(model.parameters(), "sgd"))
         x, y = token_batches(1, GLOBAL_BATCH)[0]
@@ -261,3 +267,63 @@ def test_sequence_parallelism_runs_any_length_under_no_grad_and_names_the_length
     for logits, error in run_on_ranks(odd_lengths, 2, timeout=120):
         assert torch.allclose(logits, expected, atol=1e-12, rtol=0)
         assert "activation of shape (2, 7, 32): make the sequence length a multiple of 2" in error
+
+
+def test_loss_parallelism_sends_three_numbers_per_token_not_the_logits():
+    """The head's logits stay cut: the cross-entropy all-reduces the max, the sum of exponentials
+    and the target's logit, b·s numbers each, where gathering them would send b·s·V / tp."""
+    layers, width = 2, 32
+    x, _ = token_batches(1, GLOBAL_BATCH)[0]
+    b_s_h = x.numel() * width
+    for calls in run_on_ranks(count_collectives, 2, layers, False, True, timeout=120):
+        blocks = [("all_reduce", b_s_h)] * (2 * layers)
+        assert calls == blocks + [("all_reduce", x.numel())] * 3 + blocks + [("all_reduce", b_s_h)]
+
+
+def loss_parallel_errors(topo):
+    """What a loss function may not do with loss-parallel logits, and that evaluation sees them whole."""
+    plan = {**PLAN, "lm_head": "colwise"}
+    with pt.Session(strategy=pt.Mesh(tp=2, loss_parallel=True, tp_plan=plan), topology=topo,
+                    progress_bar=False) as session:
+        model = llama()
+        model, _ = session.setup(model, optimizer(model.parameters(), "sgd"))
+        x, y = token_batches(1, GLOBAL_BATCH)[0]
+        errors = []
+        for loss_fn in (lambda z, t: -z.log_softmax(-1).mean(),
+                        lambda z, t: torch.nn.functional.cross_entropy(z.view(-1, 64), t.flatten()),
+                        lambda z, t: torch.nn.functional.cross_entropy(z.flatten(0, 1), t.flatten(), label_smoothing=0.1)):
+            try:
+                model.forward_backward(x, y, loss_fn, 1.0)
+            except pt.UsageError as e:
+                errors.append(str(e))
+        with torch.no_grad():
+            whole = model(x)
+        masked = y.flatten().masked_fill(torch.arange(y.numel()) % 3 == 0, -100)  # ignore_index
+        losses = [torch.nn.functional.cross_entropy(model(x).flatten(0, 1), masked, reduction=r).detach()
+                  for r in ("mean", "sum", "none")]
+        port = pt.broadcast_object(free_port() if topo.rank == 0 else None)
+    try:  # the default plan gathers nothing cut by the vocabulary
+        with pt.Session(strategy=pt.Mesh(tp=2, loss_parallel=True), topology=dataclasses.replace(topo, master_port=port),
+                        progress_bar=False) as session:
+            session.setup(llama(), None)
+    except pt.ConfigError as e:
+        errors.append(str(e))
+    return errors, whole, masked, losses
+
+
+def test_loss_parallel_logits_refuse_what_would_read_one_slice_and_are_whole_under_no_grad():
+    """Its cross-entropy equals torch's on the whole logits, with ignored targets, for every
+    reduction; what it refuses, it names; under no_grad the logits are whole."""
+    x, _ = token_batches(1, GLOBAL_BATCH)[0]
+    with torch.no_grad():
+        expected = llama()(x)
+    for errors, whole, masked, losses in run_on_ranks(loss_parallel_errors, 2, timeout=120):
+        for r, loss in zip(("mean", "sum", "none"), losses):
+            want = torch.nn.functional.cross_entropy(expected.flatten(0, 1), masked, reduction=r)
+            assert torch.allclose(loss, want, atol=1e-12, rtol=0), r
+        assert len(errors) == 4
+        assert errors[0].startswith("log_softmax of loss-parallel logits would read this rank's slice")
+        assert "view moves the vocabulary from the last dimension of loss-parallel logits ((4, 8, 32) → " in errors[1]
+        assert "no class weights, no label smoothing" in errors[2]
+        assert "needs the model's head, a linear layer at the top of Llama, cut 'colwise'" in errors[3]
+        assert torch.allclose(whole, expected, atol=1e-12, rtol=0)
