@@ -72,7 +72,7 @@ class Mesh(Strategy):
     cp: int = 1  # ranks that split each sequence (parallel/context/)
     cp_mode: str = "ring"  # "ring" (K, V passed around), "all-to-all" (heads scattered: Ulysses), "all-gather"
     cp_positions: bool = True  # under cp, torch.arange(local length) gives the tokens' global positions
-    replicate: int = 1  # not yet: hybrid sharding
+    replicate: int = 1  # hybrid sharding (dp="zero3"): groups that each hold the whole sharded model
     sequence_parallel: bool = False  # outside the cut layers, activations cut along the sequence over tp
     loss_parallel: bool = False  # the head's logits stay cut by the vocabulary; cross-entropy across tp
 
@@ -88,9 +88,9 @@ class Mesh(Strategy):
         if self.cp_mode not in CP_MODES:
             raise ConfigError(f"Mesh(cp_mode={self.cp_mode!r}): choose {', '.join(map(repr, CP_MODES[:-1]))} or "
                               f"{CP_MODES[-1]!r}")
-        if self.replicate != 1:
-            raise ConfigError("Mesh does not compose ['replicate'] with tensor parallelism yet; it composes "
-                              "tp and cp with dp='ddp', 'zero1', 'zero2' or 'zero3', or tp with pp=pt.Pipeline(...)")
+        if not isinstance(self.replicate, int) or self.replicate < 1:
+            raise ConfigError(f"Mesh(replicate=...) is the number of groups that each hold the whole sharded model, "
+                              f"a positive integer; got {self.replicate!r}")
         for flag in ("sequence_parallel", "loss_parallel"):
             if getattr(self, flag) not in (True, False):
                 raise ConfigError(f"Mesh({flag}=...) is True or False; got {getattr(self, flag)!r}")
@@ -106,13 +106,17 @@ class Mesh(Strategy):
         if self.tp_plan is not None:
             object.__setattr__(self, "tp_plan", dict(self.tp_plan))
         inner = self.data_parallel()  # refuse an unknown name now, not at setup
+        if self.replicate > 1 and (inner.name != "zero3" or self.pp is not None or self.cp > 1):
+            raise ConfigError(f"Mesh(replicate={self.replicate}) is hybrid sharding: ZeRO-3 within each group, "
+                              f"gradients all-reduced across the groups; it takes dp='zero3' (got {self.dp!r}) "
+                              "and does not compose with pp or cp yet")
         if self.pp is not None and (not isinstance(self.pp, Pipeline) or inner.name != "ddp"):
             raise ConfigError(f"Mesh(pp=...) takes a pt.Pipeline(stages=..., microbatches=...), whose replicas "
                               f"average their gradients as ddp does: leave dp='ddp'; got pp={self.pp!r}, "
                               f"dp={self.dp!r}")
 
     def __hash__(self) -> int:
-        return hash((self.tp, str(self.dp), self.pp, self.cp, self.cp_mode, self.cp_positions,
+        return hash((self.tp, str(self.dp), self.pp, self.cp, self.cp_mode, self.cp_positions, self.replicate,
                      self.sequence_parallel, self.loss_parallel, tuple(sorted((self.tp_plan or {}).items()))))
 
     def data_parallel(self) -> Strategy:
@@ -124,7 +128,8 @@ class Mesh(Strategy):
         return inner
 
     def grid(self, topology: Topology) -> ProcessGrid:
-        return ProcessGrid(topology, pp=self.pp.stages if self.pp is not None else 1, tp=self.tp, cp=self.cp)
+        return ProcessGrid(topology, pp=self.pp.stages if self.pp is not None else 1, tp=self.tp, cp=self.cp,
+                           replicate=self.replicate)
 
     def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
         # the ranks of a cp group average their gradients as data-parallel ranks do (each holds
@@ -154,7 +159,8 @@ class Mesh(Strategy):
         tp_group, _ = grid.group("tp")
         # the ranks that hold the rest of what this one holds: a pipeline's other stages, ZeRO's
         # other shards, and the tp slices (made now, on every rank)
-        holders, _ = grid.group("pp" if self.pp is not None else "dp", "tp")
+        # (under hybrid sharding a ZeRO-3 shard is held by its "shard" group; the replicas hold copies)
+        holders, _ = grid.group("pp" if self.pp is not None else "shard" if grid.replicate > 1 else "dp", "tp")
         device = grid.topology.device
         modules = dict(model.named_modules())
         if has_meta(model):  # the planned layers whole by the rule, to be sliced

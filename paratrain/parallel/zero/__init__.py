@@ -25,6 +25,7 @@ from paratrain.components.materialize import MetaInit, has_meta, whole
 from paratrain.components.optim import rebuild_optimizer
 from paratrain.distributed.comm import group_device
 from paratrain.distributed.grid import ProcessGrid
+from paratrain.distributed.topology import Topology
 from paratrain.errors import ConfigError
 from paratrain.parallel.base import Strategy
 from paratrain.parallel.zero.collectives import OwnerCollectives
@@ -42,7 +43,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
           wrap_policy: WrapPolicy | None = None, prefetch: bool = True,
           param_dtype: torch.dtype | None = None, offload: bool = False,
           collectives: OwnerCollectives | None = None, init: MetaInit | None = None,
-          device: torch.device | None = None):
+          device: torch.device | None = None, replicate_group=None):
     """Shard `model` (already on this rank's device) and `optimizer` (made from its parameters)
     over the data-parallel group. Returns (model, optimizer): train with those two, as usual.
 
@@ -58,7 +59,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
 
     A model built on the meta device gets its values by `init`'s rule (components/materialize.py) on
     `device` (default: the group's): whole for stages 1 and 2, and for stage 3 unit by unit,
-    each rank keeping only its shards.
+    each rank keeping only its shards. `replicate_group` (stage 3): hybrid sharding, the groups
+    holding the same shards as `process_group`'s ranks (stage3.py).
     """
     device = device or group_device(process_group)
     if offload:
@@ -74,7 +76,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
                                            process_group=process_group, wrap_policy=wrap_policy,
                                            prefetch=prefetch, param_dtype=param_dtype, offload=offload,
                                            collectives=collectives, init=init, device=device,
-                                           broadcast_buffers=broadcast_buffers)
+                                           broadcast_buffers=broadcast_buffers, replicate_group=replicate_group)
         return wrapped, rebuild_optimizer(optimizer, [
             [s for s, g in zip(wrapped.shards, wrapped.shard_groups) if g == index]
             for index in range(len(optimizer.param_groups))])
@@ -94,16 +96,34 @@ class ZeRO(Strategy):
     param_dtype: torch.dtype | None = None  # compute/reduce/gather in bf16 or fp16, fp32 masters
     offload: bool = False  # master shards and optimizer state in CPU memory, stepped there
     collectives: OwnerCollectives | None = None  # None: the fastest on the backend
+    replicate: int = 1  # stage 3: hybrid sharding, shard within world / replicate ranks, all-reduce across
 
     @property
     def name(self) -> str:
         return f"zero{self.stage}"
 
+    def __post_init__(self):
+        if not isinstance(self.replicate, int) or self.replicate < 1:
+            raise ConfigError(f"ZeRO(replicate=...) is the number of groups that each hold the whole sharded "
+                              f"model, a positive integer; got {self.replicate!r}")
+        if self.replicate > 1 and self.stage != 3:
+            raise ConfigError(f"ZeRO(stage={self.stage}, replicate={self.replicate}): hybrid sharding is built for "
+                              "stage 3 only yet; use ZeRO(stage=3, replicate=...), or replicate=1")
+
+    def grid(self, topology: Topology) -> ProcessGrid:
+        return ProcessGrid(topology, replicate=self.replicate)
+
     def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
         if optimizer is None:
             raise ConfigError(f"{self.name} shards the optimizer: pass it to setup(model, optimizer, …)")
+        if grid.replicate > 1 and self.stage != 3:
+            raise ConfigError(f"{self.name} under replicate={grid.replicate}: hybrid sharding is built for "
+                              "zero3 only yet")
         device = grid.topology.device
+        # hybrid sharding (grid.replicate > 1): shard over the "shard" ranks, all-reduce across "replicate"
+        group, replicate = (grid.group("shard")[0], grid.group("replicate")[0]) if grid.replicate > 1 \
+            else (grid.data_group(), None)
         return shard(model if has_meta(model) else model.to(device), optimizer, stage=self.stage,
                      bucket_cap_mb=self.bucket_cap_mb, wrap_policy=self.wrap_policy, prefetch=self.prefetch,
                      param_dtype=self.param_dtype, offload=self.offload, collectives=self.collectives,
-                     init=init, device=device, process_group=grid.data_group())
+                     init=init, device=device, process_group=group, replicate_group=replicate)

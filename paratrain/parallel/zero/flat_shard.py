@@ -95,6 +95,9 @@ class FlatShard:
         (collectives.OwnerCollectives)."""
         self.slots, self.group, self.rank, self.world = slots, group, rank, world
         self.all_gather = all_gather
+        # hybrid sharding: the groups of ranks holding this same shard, whose reduced slices are
+        # all-reduced after the reduction over `group` (stage3.py sets them)
+        self.replicate_group, self.replicate = None, 1
         self.numel = sum(s.shape.numel() for s in slots)
         self.padded = padded_numel(self.numel, world)
         device = values[0].device
@@ -218,7 +221,7 @@ class FlatShard:
         self.drop_grad()
         if partial:
             self._arrived, self.flushed = arrived, True
-        grad.div_(self.world)  # summing pre-divided values: the mean, without fp16 overflow
+        grad.div_(self.world * self.replicate)  # summing pre-divided values: the mean, without fp16 overflow
         work, mine = reduce_to_owners(grad, self.group, rank=self.rank, world=self.world, scatter=scatter)
         self._reduce = work, mine, grad
 
@@ -230,6 +233,8 @@ class FlatShard:
         work, mine, reduced = self._reduce
         work.wait()
         self._reduce = None
+        if self.replicate_group is not None:  # the other replicas' sums of this same slice
+            dist.all_reduce(mine, group=self.replicate_group)
         if sums is not None:
             sums.add(reduced)
         self.shard.grad = add_into(self.shard.grad, mine, like=self.shard)

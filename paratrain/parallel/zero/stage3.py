@@ -55,7 +55,11 @@ class FullyShardedDataParallel(ParallelModule):
                  process_group=None, wrap_policy: WrapPolicy | None = None, prefetch: bool = True,
                  param_dtype: torch.dtype | None = None, offload: bool = False,
                  collectives: OwnerCollectives | None = None, init: MetaInit | None = None,
-                 device: torch.device | None = None, broadcast_buffers: bool = True):
+                 device: torch.device | None = None, broadcast_buffers: bool = True, replicate_group=None):
+        """`replicate_group`: hybrid sharding (torch FSDP2's HSDP): the ranks holding the same
+        shard as this one in the other groups of `process_group`'s size; each gradient slice,
+        reduced over `process_group`, is then all-reduced over them, and the replicas train as
+        one data-parallel world of both sizes' product."""
         super().__init__()
         if not dist.is_initialized():
             raise UsageError("ZeRO stage 3 needs the default process group: call "
@@ -66,13 +70,16 @@ class FullyShardedDataParallel(ParallelModule):
         _forward_runs_eagerly()  # [Note: ZeRO-3 under torch.compile]
         self.module, self.process_group, self.prefetch = module, process_group, prefetch
         self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
-        self.replicas, self.replica_index = self.world, self.rank
+        self.replicate_group = replicate_group
+        copies, copy = ((dist.get_world_size(replicate_group), dist.get_rank(replicate_group))
+                        if replicate_group is not None else (1, 0))
+        self.replicas, self.replica_index = self.world * copies, copy * self.world + self.rank
         self.collectives = collectives or OwnerCollectives.for_group(process_group)
         # a meta-built model: made unit by unit in _build_units, by a rule equal on every rank
         self._materializer = Materializer(module, init) if has_meta(module) else None
         self._device = device or group_device(process_group)
         if self._materializer is None:
-            broadcast_coalesced(list(module.parameters()) + list(module.buffers()), process_group)
+            self._broadcast(list(module.parameters()) + list(module.buffers()))
         self._key_order = list(module.state_dict().keys())
         group_of = group_of or {p: 0 for p in module.parameters()}
         self.param_dtype = param_dtype
@@ -82,6 +89,8 @@ class FullyShardedDataParallel(ParallelModule):
             module, wrap_policy.select(module), group_of, self._materialize, group=process_group, rank=self.rank,
             world=self.world, param_dtype=param_dtype, offload=offload, all_gather=self.collectives.all_gather)
         self.flats = [f for u in self.units for f in u.flats]  # every unit's, in unit order
+        for flat in self.flats:
+            flat.replicate_group, flat.replicate = replicate_group, copies
         self.shards = nn.ParameterList([f.shard for f in self.flats])
         self.state, self.peak_gathered_bytes = TrainingState.IDLE, 0
         self._sync_this_backward = True  # decided by the forward that built the graph
@@ -251,6 +260,8 @@ class FullyShardedDataParallel(ParallelModule):
         return [s.grad for s in self.shards if s.grad is not None], self.process_group or dist.group.WORLD
 
     def watch_reductions(self) -> None:
+        if self.replicate_group is not None:  # a sum over one group's reductions: the session reads the shards
+            return
         self._sums = reduced_sums_for(sum(f.padded for f in self.flats), self.collectives.reduce_scatter,
                                       self.process_group)
 
@@ -263,8 +274,14 @@ class FullyShardedDataParallel(ParallelModule):
         return clip_grad_norm_over(grads, max_norm, group)
 
     def sync_buffers(self) -> None:
-        if self.broadcast_buffers and self.modules_buffers and self.world > 1:
-            broadcast_coalesced(self.modules_buffers, self.process_group)
+        if self.broadcast_buffers and self.modules_buffers and self.replicas > 1:
+            self._broadcast(self.modules_buffers)
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's values on every data-parallel rank: over this group, then across the replicas."""
+        broadcast_coalesced(tensors, self.process_group)
+        if self.replicate_group is not None:
+            broadcast_coalesced(tensors, self.replicate_group)
 
     def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
         """Unit by unit (every rank gathers the unit, then drops it), then the buffers and frozen

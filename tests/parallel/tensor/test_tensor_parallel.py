@@ -160,7 +160,9 @@ CASES = {  # world → (strategy, training settings) run in one job each
         (pt.Mesh(tp=2, dp="zero3", sequence_parallel=True), dict(tied=True, bias=True)),
         (pt.Mesh(tp=2, dp="ddp", sequence_parallel=True), dict(bias=True)),
         (pt.Mesh(tp=4, sequence_parallel=True), dict(heads=4, kv_heads=4, tied=True)),
-        (pt.Mesh(tp=2, dp="zero3", sequence_parallel=True, loss_parallel=True, tp_plan=VOCAB_CUT), dict(tied=True))],
+        (pt.Mesh(tp=2, dp="zero3", sequence_parallel=True, loss_parallel=True, tp_plan=VOCAB_CUT), dict(tied=True)),
+        # hybrid sharding under tp: ZeRO-3 shards of one rank, replicated twice
+        (pt.Mesh(tp=2, dp="zero3", replicate=2), dict(clip=0.5, tied=True, bias=True))],
 }
 
 
