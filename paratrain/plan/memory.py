@@ -155,6 +155,9 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     """
     if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
         raise ConfigError(f"the planner knows the optimizers {', '.join(OPTIMIZERS)}; got {optimizer!r}")
+    if getattr(strategy, "replicate", 1) > 1:
+        raise ConfigError("the planner does not plan hybrid sharding (replicate=) yet: plan replicate=1, whose "
+                          "memory per rank is that of ZeRO-3 over world / replicate ranks")
     state = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
     if world < 1 or accumulate < 1:
         raise ConfigError(f"world and accumulate must be at least 1; got world {world}, accumulate {accumulate}")
@@ -282,8 +285,8 @@ def _mesh(m: _Model, strategy: Mesh, local_world: int) -> list[RankMemory]:
         raise ConfigError("the planner does not plan a pipeline of tensor-parallel stages (Mesh(pp=...)) yet")
     if m.world % (tp * cp):
         raise ConfigError(f"tp={tp} × cp={cp} does not divide the world size {m.world}")
-    checkpointed = m.step is not None and bool(m.step.checkpointed)  # what is kept are block inputs, whole
-    activations = m.activation_bytes if checkpointed else int(m.activation_bytes * activation_fraction(tp))
+    checkpointed = m.step is not None and bool(m.step.checkpointed)  # what is kept are block inputs
+    activations = int(m.activation_bytes * activation_fraction(tp, strategy.sequence_parallel, checkpointed))
     held = m.module if tp == 1 else cut_copy(m.module, strategy)
     ranks = predict(held, strategy.data_parallel(), world=m.world // tp, optimizer=m.state,
                     local_world=max(1, local_world // tp), activation_bytes=activations, foreach=m.foreach,

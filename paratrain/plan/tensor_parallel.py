@@ -12,13 +12,15 @@ embedding and head replicated. What the plan cannot say, the planner takes from 
                   Table 2): the per-rank activations are (10 + 24/tp) / 34 of the replica's. With
                   activation checkpointing what is kept are the blocks' inputs, which every tp rank
                   holds whole: the replica's, uncut (the one block recomputed at a time is cut,
-                  left out)
+                  left out). With sequence parallelism s·b·h·(34/t + 5as/(ht)) (Table 2): 1/tp of
+                  the replica's, checkpointed or not (the blocks' inputs are cut along the sequence)
     compute       the blocks' FLOPs (model_probe's block_flops) run 1/tp on each rank; the rest
                   (embedding, head, loss) whole
     comm          per block, an all-reduce of its output (b·s·h) after attention and after the MLP
                   in forward and one for each in backward, once more in a recomputed forward; on
                   the critical path (nothing overlaps them), inside a node (Narayanan et al. 2021,
-                  §3.2)
+                  §3.2). Sequence parallelism sends an all-gather and a reduce-scatter instead of
+                  each, the same bytes and the same time (a ring all-reduce is one of each)
 """
 
 from __future__ import annotations
@@ -104,9 +106,11 @@ def _split_dims(module: nn.Module, style: str) -> dict[str, int]:
     return {name: 0 for name, p in module.named_parameters(recurse=False) if p.dim() >= 1}
 
 
-def activation_fraction(tp: int) -> float:
+def activation_fraction(tp: int, sequence_parallel: bool = False, checkpointed: bool = False) -> float:
     """A tp rank's activations over its replica's (module docstring)."""
-    return (10 + 24 / tp) / 34
+    if sequence_parallel:
+        return 1 / tp
+    return 1.0 if checkpointed else (10 + 24 / tp) / 34
 
 
 def compute_fraction(tp: int, block_flops: dict[str, int], flops_forward: int) -> float:

@@ -66,3 +66,21 @@ def test_a_model_whose_layers_fit_nowhere_else_is_recommended_tensor_parallel(pl
     small = dataclasses.replace(cluster, device_memory=(tp + plain) // 2)
     best = recommend(plan_rows(source, facts, small, gpus=8, optimizer="adam"))
     assert best is not None and best["session"].startswith("pt.Session(pt.Mesh(tp=")
+
+
+def test_sequence_parallelism_cuts_a_ranks_activations_to_one_tp_th_and_hybrid_sharding_is_refused(planned):
+    """Korthikanti et al. 2022, Table 2: (10 + 24/t)/34 of a replica's activations per rank under
+    tensor parallelism, 1/t with sequence parallelism as well (checkpointed or not)."""
+    from paratrain.plan.memory import predict
+
+    source, _, _ = planned
+    model, activations = source.shared, 34 * 2**20
+
+    def held(**kwargs):
+        return predict(model, pt.Mesh(tp=4, **kwargs), world=8, activation_bytes=activations)[0].activations
+
+    assert held(sequence_parallel=True) / held() == pytest.approx((1 / 4) / ((10 + 24 / 4) / 34), rel=1e-6)
+    assert tensor_parallel.activation_fraction(4, True, checkpointed=True) == 1 / 4
+    assert tensor_parallel.activation_fraction(4, False, checkpointed=True) == 1.0
+    with pytest.raises(pt.ConfigError, match="does not plan hybrid sharding"):
+        predict(model, pt.ZeRO(stage=3, replicate=2), world=8)
