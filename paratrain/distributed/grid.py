@@ -184,6 +184,27 @@ class ProcessGrid:
         (intra, intra_ranks), (inter, inter_ranks) = self.group("local"), self.group("node")
         return NodeGroups(intra, inter, intra_ranks, inter_ranks)
 
+    def data_node_groups(self) -> NodeGroups:
+        """The node groups of this rank's data-parallel ranks (hierarchical data parallelism under a
+        mesh): those of them on this node, and those at the same place on every node (collective on
+        first use). Every node must hold as many of them."""
+        if "dp-local" not in self._groups:
+            local = self.topology.local_world_size
+            intra, inter = [], []
+            for line in self.lines("dp"):
+                nodes: dict[int, list[int]] = {}
+                for r in line:
+                    nodes.setdefault(r // local, []).append(r)
+                if len({len(n) for n in nodes.values()}) > 1:
+                    raise ConfigError(f"data-parallel ranks {line} sit unevenly on the nodes "
+                                      f"({ {n: len(r) for n, r in nodes.items()} }): hierarchical data parallelism "
+                                      "needs as many on each")
+                intra += nodes.values()
+                inter += [list(column) for column in zip(*nodes.values())]
+            self._groups["dp-local"], self._groups["dp-node"] = self._make(intra), self._make(inter)
+        (intra_group, intra_ranks), (inter_group, inter_ranks) = self._groups["dp-local"], self._groups["dp-node"]
+        return NodeGroups(intra_group, inter_group, intra_ranks, inter_ranks)
+
     def _build(self, lines: list[list[int]]) -> Group:
         if len(lines) == 1:  # the whole world: the default group
             return dist.group.WORLD, tuple(lines[0])

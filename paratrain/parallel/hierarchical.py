@@ -128,19 +128,25 @@ class HierarchicalReduction(Reduction):
 
 
 class HierarchicalDataParallel(DistributedDataParallel):
-    """`DistributedDataParallel` over the whole world whose gradients take the hierarchical path.
+    """`DistributedDataParallel` whose gradients take the hierarchical path.
 
     module: the model, already on this rank's device.
     groups: this rank's node groups, from `session.grid.node_groups()` or
         `paratrain.node_groups(topology)` (collective: every rank makes them at the same point).
+    process_group: the data-parallel ranks when they are not the world (under `pt.Mesh`:
+        `grid.data_node_groups()` cuts them by node); the node groups must span it.
     Every other keyword is `DistributedDataParallel`'s (bucket_cap_mb, find_unused_parameters,
-    broadcast_buffers, device_ids, …) except process_group: the world is always the group.
+    broadcast_buffers, device_ids, …).
     """
 
     def __init__(self, module: nn.Module, *, groups: NodeGroups, **ddp_kwargs: Any):
-        if ddp_kwargs.get("process_group") is not None or ddp_kwargs.get("device_mesh") is not None:
-            raise ConfigError("HierarchicalDataParallel reduces over the whole world through the "
-                              "node groups; drop process_group / device_mesh")
+        if ddp_kwargs.get("device_mesh") is not None:
+            raise ConfigError("HierarchicalDataParallel reduces through its node groups; drop device_mesh")
+        spans = len(groups.intra_ranks) * len(groups.inter_ranks)
+        if spans != dist.get_world_size(ddp_kwargs.get("process_group")):
+            raise ConfigError(f"HierarchicalDataParallel's node groups span {spans} ranks, its process group "
+                              f"{dist.get_world_size(ddp_kwargs.get('process_group'))}: make the node groups "
+                              "from the same ranks (ProcessGrid.data_node_groups())")
         self._reduction = HierarchicalReduction(groups)
         super().__init__(module, reduction=self._reduction, **ddp_kwargs)
 
@@ -158,6 +164,7 @@ class Hierarchical(DDP):
     name = "hierarchical"
 
     def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
-        wrapped = HierarchicalDataParallel(whole(model, init).to(grid.topology.device),
-                                           groups=grid.node_groups(), **self.ddp_kwargs(grid))
+        groups = grid.node_groups() if grid.dp == grid.topology.world_size else grid.data_node_groups()
+        wrapped = HierarchicalDataParallel(whole(model, init).to(grid.topology.device), groups=groups,
+                                           **self.ddp_kwargs(grid))
         return wrapped, owned(optimizer, model)

@@ -44,6 +44,7 @@ from paratrain.errors import ConfigError
 from paratrain.parallel.base import CheckpointLayout, ParallelModule, Slice, Strategy, Wrapping
 from paratrain.parallel.context import ContextParallelModel
 from paratrain.parallel.ddp import DDP
+from paratrain.parallel.hierarchical import Hierarchical
 from paratrain.parallel.pipeline import Pipeline, PipelineStage
 from paratrain.parallel.single import SingleDevice
 from paratrain.parallel.tensor.layers import ColwiseLinear
@@ -54,9 +55,9 @@ from paratrain.parallel.zero import ZeRO
 
 CP_MODES = ("ring", "all-to-all", "all-gather")
 
-# what may run over the tp groups, by name (the registry's names for these four)
-DATA_PARALLEL = {"ddp": DDP, "zero1": functools.partial(ZeRO, stage=1), "zero2": functools.partial(ZeRO, stage=2),
-                 "zero3": functools.partial(ZeRO, stage=3)}
+# what may run over the tp groups, by name (the registry's names for these five)
+DATA_PARALLEL = {"ddp": DDP, "hierarchical": Hierarchical, "zero1": functools.partial(ZeRO, stage=1),
+                 "zero2": functools.partial(ZeRO, stage=2), "zero3": functools.partial(ZeRO, stage=3)}
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Mesh(Strategy):
     tensor-parallel stages, its replicas the data-parallel ranks."""
 
     tp: int = 1  # ranks that split each planned layer; adjacent ranks, one node
-    dp: Any = "ddp"  # "ddp", "zero1", "zero2", "zero3" or such a strategy object
+    dp: Any = "ddp"  # "ddp", "hierarchical", "zero1", "zero2", "zero3" or such a strategy object
     tp_plan: Mapping[str, str] | None = None  # module pattern → style; None: the model's (plan.py)
     pp: Pipeline | None = None  # a pipeline of tensor-parallel stages (its replicas are the dp ranks)
     cp: int = 1  # ranks that split each sequence (parallel/context/)

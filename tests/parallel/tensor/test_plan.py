@@ -70,13 +70,13 @@ def test_a_model_without_a_plan_is_told_how_to_give_one():
 
 
 def test_mesh_refuses_what_it_does_not_compose_yet():
-    with pytest.raises(pt.ConfigError, match=r"\['replicate'\]"):
-        pt.Mesh(tp=2, cp=2, replicate=2)
+    with pytest.raises(pt.ConfigError, match=r"it takes dp='zero3' \(got 'ddp'\)"):
+        pt.Mesh(tp=2, replicate=2)
     for kwargs in (dict(tp=1), dict(tp=2, cp=2), dict(tp=2, pp=pt.Pipeline(stages=2))):
         with pytest.raises(pt.ConfigError, match=r"needs tp > 1, and does not compose with pp or cp yet"):
             pt.Mesh(sequence_parallel=True, **kwargs)
-    for dp in ("pipeline", "zero4", pt.Hierarchical()):
-        with pytest.raises(pt.ConfigError, match=r"must be one of \['ddp', 'zero1', 'zero2', 'zero3'\]"):
+    for dp in ("pipeline", "zero4", pt.Pipeline(stages=2)):
+        with pytest.raises(pt.ConfigError, match=r"must be one of \['ddp', 'hierarchical', 'zero1', 'zero2', 'zero3'\]"):
             pt.Mesh(tp=2, dp=dp)
     assert pt.Mesh(tp=2, tp_plan=PLAN) == pt.Mesh(tp=2, tp_plan=dict(PLAN))
 

@@ -191,6 +191,14 @@ def test_tensor_parallel_training_matches_one_process(runs, world, index):
     assert sorted(r["replica"] for r in results) == sorted(i % replicas for i in range(world))
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_tensor_parallelism_over_hierarchical_data_parallelism_matches_one_process(nodes):
+    """tp 2 × hierarchical over 4 ranks: on one node its data-parallel pairs reduce inside the node;
+    on two (a tp group per node) each pair spans both nodes and reduces across them."""
+    results = run_on_ranks(sweep, 4, [(pt.Mesh(tp=2, dp="hierarchical"), dict(bias=True))], nodes=nodes, timeout=300)
+    assert_close(results[0][0]["whole"], reference(bias=True))  # rank 0 gathers it
+
+
 @pytest.mark.parametrize("ours,theirs", [((pt.Mesh(tp=2), {}), ("dtensor", {})),
                                          ((pt.Mesh(tp=2, sequence_parallel=True, tp_plan=VOCAB_CUT), {}),
                                           ("dtensor", dict(sequence=True)))])
