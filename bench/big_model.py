@@ -48,8 +48,16 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_write_options, load_at_start, peak_rss_mb, print_table, reset_peak_rss,  # noqa: E402
-                    return_freed_memory_to_os, rss_mb, write_results)
+from common import (  # noqa: E402
+    add_write_options,
+    load_at_start,
+    peak_rss_mb,
+    print_table,
+    reset_peak_rss,
+    return_freed_memory_to_os,
+    rss_mb,
+    write_results,
+)
 
 import paratrain as pt  # noqa: E402
 from paratrain.testing import run_on_ranks  # noqa: E402

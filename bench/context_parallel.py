@@ -37,10 +37,21 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # common.py and tests.support, for the ranks too
+from common import (  # noqa: E402
+    bench_parser,
+    load_at_start,
+    parse_bench_args,
+    peak_rss_mb,
+    print_table,
+    reset_peak_rss,
+    return_freed_memory_to_os,
+    rss_mb,
+    summarize_times,
+    time_interleaved,
+    write_results,
+)
+
 import paratrain as pt  # noqa: E402
-from common import (bench_parser, load_at_start, parse_bench_args, peak_rss_mb, print_table,  # noqa: E402
-                    reset_peak_rss, return_freed_memory_to_os, rss_mb, summarize_times, time_interleaved,
-                    write_results)
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 from tests.support.llama import Llama, lm_loss  # noqa: E402
 

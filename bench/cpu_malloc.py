@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
-import paratrain as pt  # noqa: E402
 from common import add_write_options, load_at_start, make_batches, make_model, print_table, write_results  # noqa: E402
+
+import paratrain as pt  # noqa: E402
 from paratrain.launch.cpu_malloc import keep_freed_blocks  # noqa: E402
 from paratrain.testing import run_on_ranks  # noqa: E402
 

@@ -62,11 +62,28 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
+from common import (  # noqa: E402
+    MODELS,
+    SEQ,
+    bench_parser,
+    load_at_start,
+    loss_of,
+    make_batches,
+    make_model,
+    parse_bench_args,
+    peak_rss_mb,
+    print_table,
+    reset_peak_rss,
+    return_freed_memory_to_os,
+    rss_mb,
+    slowest_rank,
+    summarize_times,
+    time_interleaved,
+    train_step,
+    write_results,
+)
+
 import paratrain as pt  # noqa: E402
-from common import (MODELS, SEQ, bench_parser, parse_bench_args, loss_of, make_batches, make_model, peak_rss_mb, print_table,  # noqa: E402
-                    reset_peak_rss, return_freed_memory_to_os, rss_mb, summarize_times,
-                    slowest_rank, time_interleaved, train_step,
-                    load_at_start, write_results)
 from paratrain.debug import flight_hooks  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 

@@ -36,9 +36,21 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
+from common import (  # noqa: E402
+    MODELS,
+    bench_parser,
+    interleave,
+    load_at_start,
+    make_batches,
+    make_model,
+    parse_bench_args,
+    print_table,
+    slowest_rank,
+    train_step,
+    write_results,
+)
+
 import paratrain as pt  # noqa: E402
-from common import (MODELS, bench_parser, parse_bench_args, interleave, make_batches, make_model, print_table, slowest_rank,  # noqa: E402
-                    load_at_start, train_step, write_results)
 from paratrain.distributed.comm import ByteCounter  # noqa: E402
 from paratrain.parallel.hierarchical import HierarchicalDataParallel  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402

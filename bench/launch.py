@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
-import paratrain  # noqa: E402
 from common import add_write_options, load_at_start, print_table, write_results  # noqa: E402
+
+import paratrain  # noqa: E402
 
 SCRIPT = '''\
 import time

@@ -56,8 +56,22 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
-from common import (SEQ, add_write_options, interleave, load_at_start, make_batches, make_model, peak_rss_mb,  # noqa: E402
-                    print_table, reset_peak_rss, return_freed_memory_to_os, rss_mb, slowest_rank, write_results)
+from common import (  # noqa: E402
+    SEQ,
+    add_write_options,
+    interleave,
+    load_at_start,
+    make_batches,
+    make_model,
+    peak_rss_mb,
+    print_table,
+    reset_peak_rss,
+    return_freed_memory_to_os,
+    rss_mb,
+    slowest_rank,
+    write_results,
+)
+
 from paratrain.parallel.pipeline import Cut, Pipeline, split_model  # noqa: E402
 from paratrain.parallel.pipeline.cut import prune  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402

@@ -48,8 +48,22 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, pipeline.py, for the ranks too
+from common import (  # noqa: E402
+    SEQ,
+    add_write_options,
+    file_rss_mb,
+    load_at_start,
+    make_batches,
+    make_model,
+    peak_rss_mb,
+    print_table,
+    reset_peak_rss,
+    return_freed_memory_to_os,
+    rss_mb,
+    write_results,
+)
+
 import paratrain as pt  # noqa: E402
-from common import SEQ, add_write_options, file_rss_mb, make_batches, make_model, peak_rss_mb, print_table, reset_peak_rss, return_freed_memory_to_os, rss_mb, load_at_start, write_results  # noqa: E402
 from paratrain.launch.cpu_malloc import keep_freed_blocks  # noqa: E402
 from paratrain.plan.calibrate import Settings, calibrate  # noqa: E402
 from paratrain.plan.calibrate_compute import matmul_rates, optimizer_table, traffic_rate  # noqa: E402

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
-import paratrain as pt  # noqa: E402
 from common import print_table, write_json  # noqa: E402
+
+import paratrain as pt  # noqa: E402
 from paratrain.plan.cluster_presets import preset  # noqa: E402
 from paratrain.plan.memory_table import memory_rows  # noqa: E402
 from paratrain.plan.model_probe import model_facts  # noqa: E402

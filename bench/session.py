@@ -54,9 +54,21 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
+from common import (  # noqa: E402
+    MODELS,
+    SEQ,
+    bench_parser,
+    load_at_start,
+    loss_of,
+    make_batches,
+    parse_bench_args,
+    print_table,
+    summarize_times,
+    time_interleaved,
+    write_results,
+)
+
 import paratrain as pt  # noqa: E402
-from common import (MODELS, SEQ, bench_parser, load_at_start, loss_of, make_batches, parse_bench_args,  # noqa: E402
-                    print_table, summarize_times, time_interleaved, write_results)
 from paratrain.launch.cpu_malloc import keep_freed_blocks  # noqa: E402
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 

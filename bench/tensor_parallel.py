@@ -36,9 +36,19 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # common.py and tests.support, for the ranks too
+from common import (  # noqa: E402
+    SEQ,
+    bench_parser,
+    distinct_storage_bytes,
+    load_at_start,
+    parse_bench_args,
+    print_table,
+    summarize_times,
+    time_interleaved,
+    write_results,
+)
+
 import paratrain as pt  # noqa: E402
-from common import (SEQ, bench_parser, distinct_storage_bytes, load_at_start, parse_bench_args,  # noqa: E402
-                    print_table, summarize_times, time_interleaved, write_results)
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 from tests.support.collectives import counting_collectives  # noqa: E402
 from tests.support.llama import PLAN, Llama, lm_loss  # noqa: E402

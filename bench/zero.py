@@ -66,11 +66,29 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, for the ranks too
+from common import (  # noqa: E402
+    MODELS,
+    SEQ,
+    bench_parser,
+    distinct_storage_bytes,
+    live_tensor_bytes,
+    load_at_start,
+    loss_of,
+    make_batches,
+    make_model,
+    parse_bench_args,
+    peak_rss_mb,
+    print_table,
+    reset_peak_rss,
+    return_freed_memory_to_os,
+    rss_mb,
+    summarize_times,
+    time_interleaved,
+    train_step,
+    write_results,
+)
+
 import paratrain as pt  # noqa: E402
-from common import (MODELS, SEQ, bench_parser, parse_bench_args, distinct_storage_bytes, live_tensor_bytes, loss_of,  # noqa: E402
-                    make_batches, make_model, peak_rss_mb, print_table, reset_peak_rss,
-                    return_freed_memory_to_os, rss_mb, summarize_times, time_interleaved, train_step,
-                    load_at_start, write_results)
 from paratrain.testing import max_param_diff, run_on_ranks  # noqa: E402
 
 WORLD, THREADS, LR, MEMORY_STEPS, PARITY_STEPS, DATA_BATCHES = 2, 1, 1e-3, 3, 3, 4

@@ -23,13 +23,12 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from digits import digits  # examples/digits.py: the same train/test split
 from torch import nn
 from torch.utils.data import DataLoader
 
 import paratrain as pt
 from paratrain.components.contrastive import gather_embeddings, nt_xent_loss
-
-from digits import digits  # examples/digits.py: the same train/test split
 
 
 class Encoder(nn.Module):

@@ -28,8 +28,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt.py: the text
-import paratrain as pt  # noqa: E402
 from gpt import ALPHABET, stdlib_docstrings  # noqa: E402
+
+import paratrain as pt  # noqa: E402
 
 
 class Windows(Dataset):

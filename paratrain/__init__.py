@@ -14,6 +14,7 @@ the worker are installed where a job starts (a `Session`, each rank `paratrain r
 for parity checks of one's own.
 """
 
+from paratrain import testing
 from paratrain.checkpoint.weights import load_weights
 from paratrain.components.activation_checkpointing import checkpoint_activations
 from paratrain.components.contrastive import Gathered, gather_embeddings, nt_xent_loss
@@ -41,7 +42,6 @@ from paratrain.parallel.zero import WrapPolicy, ZeRO, shard
 from paratrain.session.autolog import Logging
 from paratrain.session.session import Session
 from paratrain.session.watch import StepWarning, StepWarnings
-from paratrain import testing
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,5 @@
 """bench/: timings taken on a busy machine are refused unless --force, and say what the load was."""
 
-from tests.support import ROOT_DIR
 import argparse
 import importlib.util
 import json
@@ -8,6 +7,8 @@ import os
 import sys
 
 import pytest
+
+from tests.support import ROOT_DIR
 
 BENCH = os.path.join(ROOT_DIR, "bench")
 sys.path.insert(0, BENCH)

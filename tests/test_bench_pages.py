@@ -1,13 +1,14 @@
 """docs/benchmarks/ is what tools/bench_pages.py makes of bench/results/*.json, byte for byte, and the
 tool's key figures agree with the same figures derived here from the JSON, independently of it."""
 
-from tests.support import ROOT_DIR
 import json
 import os
 import re
 import shutil
 import sys
 from pathlib import Path
+
+from tests.support import ROOT_DIR
 
 ROOT = ROOT_DIR
 RESULTS = os.path.join(ROOT, "bench", "results")

@@ -2,7 +2,6 @@
 reference), every page of docs/ is in the nav, and the home page renders with its navigation in
 a real headless browser (Chromium, which .ci/run installs from Debian's packages)."""
 
-from tests.support import ROOT_DIR
 import os
 import re
 import shutil
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support import ROOT_DIR
 
 ROOT = Path(ROOT_DIR)
 NAV = ["Port a script", "Strategies", "Checkpoints", "Launching", "Troubleshooting", "Architecture",

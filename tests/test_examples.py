@@ -1,7 +1,6 @@
 """The README's demo, run as a user runs it (through `paratrain run`, two processes), its test command,
 and the benchmark pages' figures against the committed results."""
 
-from tests.support import ROOT_DIR
 import csv
 import os
 import re
@@ -10,6 +9,8 @@ import sys
 
 import pytest
 import torch
+
+from tests.support import ROOT_DIR
 
 ROOT = ROOT_DIR
 

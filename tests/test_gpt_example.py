@@ -8,7 +8,6 @@ and write its files. The two-rank runs must also match the single run at the fir
 sums the clipping norm in float64), and at this learning rate such differences grow to a few
 hundredths by step 200, as they would between two thread counts of the single run."""
 
-from tests.support import ROOT_DIR
 import csv
 import importlib.util
 import math
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 import paratrain as pt
+from tests.support import ROOT_DIR
 
 ROOT = ROOT_DIR
 SCRIPT = os.path.join(ROOT, "examples", "gpt.py")

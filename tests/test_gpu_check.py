@@ -1,10 +1,11 @@
 """bench/gpu_check.py, the check a session with a lent GPU runs first, in its CPU dry-run mode:
 every part runs the code it would run on the GPU, at tiny sizes, and the JSON records each."""
 
-from tests.support import ROOT_DIR
 import json
 import subprocess
 import sys
+
+from tests.support import ROOT_DIR
 
 ROOT = ROOT_DIR
 

@@ -1,9 +1,10 @@
 """tools/mutation_check.py's mutants stay applicable: each snippet is still in the package exactly
 once, and each names test files that exist (the check itself runs outside the suite: too slow)."""
 
-from tests.support import ROOT_DIR
 import os
 import sys
+
+from tests.support import ROOT_DIR
 
 ROOT = ROOT_DIR
 sys.path.insert(0, os.path.join(ROOT, "tools"))

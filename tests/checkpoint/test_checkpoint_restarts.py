@@ -8,7 +8,6 @@
   checkpoint stays the finite one before it (point 9).
 """
 
-from tests.support import ROOT_DIR
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import textwrap
 import torch
 
 from paratrain.testing import assert_same_params
+from tests.support import ROOT_DIR
 
 ROOT = ROOT_DIR
 

@@ -3,7 +3,6 @@ at a file outside the checkpoint is refused, naming the file, by each of the thr
 is read: `session.resume`, `paratrain ckpt info` and `paratrain ckpt export`. The attacker rewrites
 the checksums too, as in test_checkpoint.py's unpickling test: checksums catch damage, not intent."""
 
-from tests.support import ROOT_DIR
 import json
 import pickle
 import shutil
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 import paratrain as pt
 from paratrain.checkpoint.files import digest
+from tests.support import ROOT_DIR
 from tests.support.models import make_batches, make_model
 
 ROOT = Path(ROOT_DIR)

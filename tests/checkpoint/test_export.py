@@ -2,7 +2,6 @@
 strictly into the plain model (or a transformers model of the same config) and gives the trained
 sharded model's logits."""
 
-from tests.support import ROOT_DIR
 import errno
 import os
 import subprocess
@@ -17,6 +16,7 @@ import paratrain as pt
 from paratrain import checkpoint
 from paratrain.checkpoint.export import export_checkpoint
 from paratrain.testing import max_param_diff, run_on_ranks
+from tests.support import ROOT_DIR
 from tests.support.pipeline_models import TinyGPT, next_token_loss, tiny_gpt_strategy, token_batches
 
 ROOT = ROOT_DIR

@@ -10,7 +10,14 @@ from torch import nn
 import paratrain as pt
 import paratrain.checkpoint.weights as weights
 from paratrain.testing import max_param_diff, run_on_ranks
-from tests.support.pipeline_models import TinyGPT, next_token_loss, tiny_gpt, tiny_gpt_strategy, token_batches, train_one_process
+from tests.support.pipeline_models import (
+    TinyGPT,
+    next_token_loss,
+    tiny_gpt,
+    tiny_gpt_strategy,
+    token_batches,
+    train_one_process,
+)
 
 STEPS = 2
 

@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from paratrain.cli import main as cli
-
-from paratrain.launch import run as launch
 from paratrain.distributed.topology import free_port
+from paratrain.launch import run as launch
 from tests.support.launcher import assert_no_worker_left, finish, paratrain, results, start
 
 # One worker script for every job; the mode (second argument) picks how it behaves. Each rank

@@ -5,10 +5,10 @@ of valid tokens (`weight=`), where the micro-batches and the ranks hold differen
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.support.models import make_model
 
 import paratrain as pt
 from paratrain.testing import assert_same_params, run_on_ranks
+from tests.support.models import make_model
 
 STEPS, K, WORLD, PER_MICRO = 3, 4, 2, 3  # global batch: WORLD × K × PER_MICRO sequences
 SEQ, PAD = 5, -100

@@ -1,7 +1,6 @@
 """Contrastive loss with negatives from every rank: the same loss and gradients as one process
 on the concatenated batch; node-wide negatives as one process per node-batch; uneven rows."""
 
-from tests.support import ROOT_DIR
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from torch import nn
 import paratrain as pt
 from paratrain.components.contrastive import gather_embeddings, nt_xent_loss
 from paratrain.testing import run_on_ranks
+from tests.support import ROOT_DIR
 
 GLOBAL_BATCH, TEMPERATURE = 16, 0.3
 

@@ -7,11 +7,11 @@ real one here, not a stand-in; on CUDA the same code runs under nccl."""
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.support.models import make_batches, make_model
 
 import paratrain as pt
 from paratrain.components.precision import GradScaler
 from paratrain.testing import assert_same_params, max_param_diff, run_on_ranks
+from tests.support.models import make_batches, make_model
 
 STEPS, GLOBAL_BATCH, WORLD = 3, 16, 2
 

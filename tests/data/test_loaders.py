@@ -5,14 +5,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler, SubsetRandomSampler,
-                              TensorDataset, WeightedRandomSampler)
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
 import paratrain as pt
 import paratrain.data.loader as loader_module
-from paratrain.errors import ConfigError
 from paratrain.data.loader import ShardedStream, shard_loader
+from paratrain.errors import ConfigError
 from paratrain.testing import RankFailure, max_param_diff, run_on_ranks
 
 N = 50  # items: not a multiple of the replicas, so a last incomplete row exists

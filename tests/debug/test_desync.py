@@ -15,9 +15,9 @@ from torch import nn
 import paratrain as pt
 from paratrain.cli.main import build_parser
 from paratrain.distributed.comm import broadcast_object
+from paratrain.distributed.topology import debug_collectives_requested, destroy, free_port
 from paratrain.launch.run import export_env
 from paratrain.testing import RankFailure, run_on_ranks
-from paratrain.distributed.topology import debug_collectives_requested, destroy, free_port
 from tests.support.models import make_batches, make_model
 
 

@@ -13,10 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import paratrain as pt
-from paratrain.distributed import comm
-from paratrain.debug import flight_hooks
-from paratrain.debug import flight_recorder
+from paratrain.debug import flight_hooks, flight_recorder
 from paratrain.debug.flight_recorder import RECORDER, FlightRecorder
+from paratrain.distributed import comm
 from paratrain.testing import run_on_ranks
 from tests.support.models import make_batches, make_model
 

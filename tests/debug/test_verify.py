@@ -1,7 +1,6 @@
 """`paratrain verify` on the examples, as a user runs it: every strategy agrees with one process,
 and a bug injected through the test-only hook is named — its step, its parameter, its rank."""
 
-from tests.support import ROOT_DIR
 import os
 import re
 import subprocess
@@ -10,9 +9,10 @@ import time
 
 import torch
 
+from paratrain.cli.verify import _check_summaries
 from paratrain.debug.verify import CHUNK, summary
 from paratrain.parallel.base import Slice
-from paratrain.cli.verify import _check_summaries
+from tests.support import ROOT_DIR
 
 ROOT = ROOT_DIR
 GPT_SMALL = ["--block-size", "16", "--layers", "2", "--width", "32", "--heads", "2", "--batch-size", "8"]

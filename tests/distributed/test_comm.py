@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from paratrain.distributed import comm
-from paratrain.errors import ConfigError, UsageError
 from paratrain.components.metrics import mean_metrics
+from paratrain.distributed import comm
 from paratrain.distributed.ring import ring_all_reduce
+from paratrain.errors import ConfigError, UsageError
 from paratrain.testing import run_on_ranks
 
 # (shape, dtype, transposed): sizes not divisible by the world, both float widths, 2-D, strided

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import paratrain as pt
-from paratrain.testing import RankFailure, run_on_ranks
 from paratrain.distributed.topology import DRAIN_S, first_slurm_host, free_port
+from paratrain.testing import RankFailure, run_on_ranks
 from tests.support import ROOT_DIR
 from tests.support.launcher import assert_no_worker_left, running, wait_for
 

@@ -2,12 +2,13 @@
 which resumes from the last checkpoint and ends with exactly the parameters of a run that was
 never interrupted."""
 
-from tests.support import ROOT_DIR
 import subprocess
 import sys
 import textwrap
 
 import torch
+
+from tests.support import ROOT_DIR
 
 ROOT = ROOT_DIR
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as powersgd
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 import paratrain as pt
 from paratrain.testing import RankFailure, run_on_ranks

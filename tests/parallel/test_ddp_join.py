@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 import paratrain as pt
 from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
-from tests.support.models import make_batches, make_model, make_optimizer, piece_seed
 from tests.parallel.test_ddp_comm_hooks import _hook
+from tests.support.models import make_batches, make_model, make_optimizer, piece_seed
 
 GLOBAL_BATCH = 24
 

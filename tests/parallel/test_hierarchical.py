@@ -1,7 +1,6 @@
 """Hierarchical data parallel: equal to flat DDP and to one process, on simulated and on two real
 (loopback) nodes, and fewer bytes across the node boundary than a flat ring all-reduce."""
 
-from tests.support import ROOT_DIR
 import os
 import signal
 import subprocess
@@ -13,10 +12,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
+import tests.support.hierarchical_worker as worker
+from paratrain.distributed.topology import free_port
 from paratrain.parallel.hierarchical import Hierarchical, HierarchicalDataParallel
 from paratrain.testing import assert_same_params, run_on_ranks
-from paratrain.distributed.topology import free_port
-import tests.support.hierarchical_worker as worker
+from tests.support import ROOT_DIR
 from tests.support.models import make_batches, make_model
 
 ROOT = ROOT_DIR

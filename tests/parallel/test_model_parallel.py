@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
-from paratrain.errors import ConfigError
 from paratrain.distributed.grid import ProcessGrid
+from paratrain.distributed.topology import Topology
+from paratrain.errors import ConfigError
 from paratrain.parallel.model_parallel import LayersOnDevices, ModelParallel
 from paratrain.testing import assert_same_params, run_on_ranks
-from paratrain.distributed.topology import Topology
 from tests.support.pipeline_models import batches, chain
 
 STEPS = 3

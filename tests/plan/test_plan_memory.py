@@ -19,7 +19,14 @@ import paratrain as pt
 from paratrain.plan.memory import RankMemory, predict
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
 from paratrain.testing import run_on_ranks
-from tests.support.models import counting_new_objects, live_storages, live_tensors, mse_in_output_dtype, storage_of, storages
+from tests.support.models import (
+    counting_new_objects,
+    live_storages,
+    live_tensors,
+    mse_in_output_dtype,
+    storage_of,
+    storages,
+)
 
 UNITS = pt.WrapPolicy(module_classes=(nn.Linear,))
 TINY = 0.0005  # MiB: a bucket cap of 524 bytes, so the model's gradients fill several buckets
@@ -198,6 +205,7 @@ def test_the_optimizer_workspace_is_what_torchs_adam_makes_in_a_step(foreach):
     left out: single-tensor (the CPU's default) two of the one it steps and the previous result,
     foreach one of each."""
     from torch.multiprocessing.reductions import StorageWeakRef
+
     from paratrain.plan.fake_step import Lifetimes
 
     params = [nn.Parameter(torch.zeros(n)) for n in (300, 1000, 200)]

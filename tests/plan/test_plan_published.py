@@ -1,6 +1,5 @@
 """bench/plan_published.py (the planner against published runs) and the preset it adds."""
 
-from tests.support import ROOT_DIR
 import dataclasses
 import json
 import os
@@ -12,6 +11,7 @@ from paratrain.plan.cluster import GB, from_dict
 from paratrain.plan.cluster_presets import preset
 from paratrain.plan.model_probe import model_facts
 from paratrain.plan.model_source import from_config
+from tests.support import ROOT_DIR
 
 ROOT = ROOT_DIR
 sys.path.insert(0, os.path.join(ROOT, "bench"))

@@ -3,7 +3,6 @@ epoch (the agent signals every process of each rank, its loader workers too); th
 optimizer step, checkpoint and exit 0; the requeued job resumes and ends bitwise equal to a run
 that was never interrupted."""
 
-from tests.support import ROOT_DIR
 import os
 import re
 import signal
@@ -17,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import paratrain as pt
+from tests.support import ROOT_DIR
 
 ROOT = ROOT_DIR
 

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 # run as a script, this file's folder is first on sys.path: the repository's root makes `tests` importable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import paratrain as pt  # noqa: E402
-from tests.support.models import make_batches, make_model, make_optimizer, reference, train_on_rank  # noqa: E402
 from paratrain.distributed.comm import ByteCounter  # noqa: E402
 from paratrain.distributed.ring import ring_all_reduce  # noqa: E402
 from paratrain.parallel.hierarchical import HierarchicalDataParallel  # noqa: E402
+from tests.support.models import make_batches, make_model, make_optimizer, reference, train_on_rank  # noqa: E402
 
 STEPS, GLOBAL_BATCH = 3, 16
 TINY_BUCKETS = [0.0005]  # MiB: ~500-byte buckets, so many are in flight at once

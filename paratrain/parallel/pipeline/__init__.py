@@ -4,10 +4,10 @@ by stages), microbatches, p2p (activations and gradients between neighbours), st
 stage and its step), actions (a schedule as data), schedules (GPipe, 1F1B, interleaved 1F1B,
 ZB-H1), check (lists proved before they run), timeline (what ran when), strategy (`Pipeline`)."""
 
-from paratrain.parallel.pipeline.cut import Cut
-from paratrain.parallel.pipeline.partition import boundaries, layer_costs, split_model
 from paratrain.parallel.pipeline.actions import Action, Op, with_comm
 from paratrain.parallel.pipeline.check import ScheduleError
+from paratrain.parallel.pipeline.cut import Cut
+from paratrain.parallel.pipeline.partition import boundaries, layer_costs, split_model
 from paratrain.parallel.pipeline.schedules import SCHEDULES, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from paratrain.parallel.pipeline.stage import PipelineStage
 from paratrain.parallel.pipeline.strategy import Pipeline, stage_optimizer

@@ -30,8 +30,8 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from paratrain.parallel.pipeline.check import replay as replay_lists
 from paratrain.parallel.pipeline.actions import Action, Op
+from paratrain.parallel.pipeline.check import replay as replay_lists
 
 
 class Kind(str, enum.Enum):

@@ -10,13 +10,23 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
+from paratrain.distributed.topology import Topology
 from paratrain.errors import ConfigError
-from paratrain.parallel.pipeline import (Kind, Pipeline, PipelineStage, boundaries, draw, gpipe,
-                                         idle_fraction, layer_costs, peak_in_flight, replay,
-                                         split_model)
+from paratrain.parallel.pipeline import (
+    Kind,
+    Pipeline,
+    PipelineStage,
+    boundaries,
+    draw,
+    gpipe,
+    idle_fraction,
+    layer_costs,
+    peak_in_flight,
+    replay,
+    split_model,
+)
 from paratrain.parallel.pipeline.timeline import by_stage
 from paratrain.testing import RankFailure, assert_same_params, run_on_ranks
-from paratrain.distributed.topology import Topology
 from tests.support.pipeline_models import GLOBAL_BATCH, STEPS, batches, block_chain, chain
 
 

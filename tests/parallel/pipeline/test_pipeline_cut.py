@@ -1,7 +1,6 @@
 """Pipelines of models that are not an nn.Sequential: cut at named blocks, weights tied across
 stages, activations that are tuples, transformers' GPT-2; each equal to one process."""
 
-from tests.support import ROOT_DIR
 import importlib.util
 import os
 
@@ -13,6 +12,7 @@ from torch import nn
 import paratrain as pt
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.testing import RankFailure, max_param_diff, run_on_ranks
+from tests.support import ROOT_DIR
 from tests.support.pipeline_models import batches, chain, next_token_loss, tiny_gpt, token_batches
 
 ROOT = ROOT_DIR

@@ -146,8 +146,9 @@ def test_stage3_a_parameter_used_in_an_earlier_micro_batch_is_stepped_as_on_one_
 
 
 def _policy(name):
-    from paratrain.parallel.zero.wrap_policy import WrapPolicy
     from torch import nn
+
+    from paratrain.parallel.zero.wrap_policy import WrapPolicy
     if name == "stack":  # each block (272 parameters) is below it, their list (816) is not
         return WrapPolicy(min_params=300)
     return WrapPolicy(module_classes=(nn.Linear,)) if name != "bn" else WrapPolicy(min_params=40)

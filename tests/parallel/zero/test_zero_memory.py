@@ -1,7 +1,6 @@
 """Bytes each rank holds under ZeRO, counted from the live tensors, against the paper's formulas
 (Rajbhandari et al. 2020, Figure 1: fp32 Adam, K = 12 bytes of optimizer state per parameter)."""
 
-from tests.support import ROOT_DIR
 import time
 
 import pytest
@@ -11,6 +10,7 @@ from torch import nn
 
 import paratrain as pt
 from paratrain.testing import run_on_ranks
+from tests.support import ROOT_DIR
 from tests.support.models import live_storages, mse_in_output_dtype
 
 WIDTH, LAYERS = 63, 8  # sizes not divisible by 2 or 4: padding is counted too
