@@ -24,6 +24,13 @@ torch's CommDebugMode, as calls.
 
 Memory: per rank, the distinct bytes of the parameters, their gradients and Adam's two moments
 after a step, against 16 bytes × (replicated parameters + cut parameters / tp).
+
+`llama_sp`: the same with sequence parallelism, ours `pt.Mesh(tp=2, sequence_parallel=True)` and
+torch's SequenceParallel / PrepareModuleInput plan as torchtitan writes it, the embedding and head
+cut by the vocabulary in both. Its bytes formula (Korthikanti et al. 2022, §4.2.2): per block
+half an all-gather to b·s·h elements and a reduce-scatter to b·s·h / tp, each way; the embedding's
+reduce-scatter and the head's gather of its input, each way; the logits gathered, b·s·V / tp per
+rank; and an all-reduce of each norm weight's gradient (h each).
 """
 
 from __future__ import annotations
@@ -68,18 +75,38 @@ def _batches(tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x[:, :-1], x[:, 1:]) for x in ids]
 
 
-def _ours(model, topo):
-    strategy = pt.Mesh(tp=TP)
+SP_PLAN = {**PLAN, "embed": "rowwise", "lm_head": "colwise_rep"}  # sequence parallelism: the vocabulary cut
+
+
+def _ours(model, topo, sequence=False):
+    strategy = pt.Mesh(tp=TP, sequence_parallel=True, tp_plan=SP_PLAN) if sequence else pt.Mesh(tp=TP)
     wrapped, opt = strategy.setup(model, torch.optim.Adam(model.parameters(), lr=LR), strategy.grid(topo))
     return wrapped, opt
 
 
-def _torch(model, topo):
+def _torch(model, topo, sequence=False):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, init_device_mesh("cpu", (topo.world_size,)), {k: styles[v]() for k, v in PLAN.items()})
+    plan = {k: styles[v]() for k, v in PLAN.items()}
+    if sequence:  # torchtitan's Llama plan
+        parts, whole = (Shard(1), None), (Replicate(), None)  # a block's (hidden states, positions)
+        plan.update({"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                     "layers.*.attn_norm": SequenceParallel(), "layers.*.mlp_norm": SequenceParallel(),
+                     "layers.*.attn": PrepareModuleInput(input_layouts=parts, desired_input_layouts=whole),
+                     "layers.*.mlp": PrepareModuleInput(input_layouts=parts[:1], desired_input_layouts=whole[:1]),
+                     "layers.*.attn.o": RowwiseParallel(output_layouts=Shard(1)),
+                     "layers.*.mlp.down": RowwiseParallel(output_layouts=Shard(1)), "norm": SequenceParallel(),
+                     "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    parallelize_module(model, init_device_mesh("cpu", (topo.world_size,)), plan)
     return model, torch.optim.Adam(model.parameters(), lr=LR)
 
 
@@ -118,11 +145,11 @@ def _held_bytes(model, opt, x, y) -> int:
     return held
 
 
-def run(topo, tokens: int, warmup: int, rounds: int, steps: int) -> dict:
+def run(topo, tokens: int, warmup: int, rounds: int, steps: int, sequence: bool) -> dict:
     topo = topo.init()
     base = _model()
     whole = {n: p.numel() for n, p in base.named_parameters()}
-    models = {"ours": _ours(copy.deepcopy(base), topo), "torch": _torch(copy.deepcopy(base), topo)}
+    models = {"ours": _ours(copy.deepcopy(base), topo, sequence), "torch": _torch(copy.deepcopy(base), topo, sequence)}
     batches = _batches(tokens)
     step_of = {impl: (lambda x, y, impl=impl: _step(*models[impl], x, y)) for impl in models}
     timed = time_interleaved(step_of, batches, warmup=warmup, rounds=rounds, steps=steps)
@@ -142,32 +169,47 @@ def _parse_args(argv=None):
     return parse_bench_args(parser, argv, quick=dict(rounds=1, steps=2, warmup=1, batch=128))
 
 
+def formula(tokens: int, sequence: bool) -> list[tuple[str, int]]:
+    """The collectives one step should issue, (function, elements) as counting_collectives
+    records them (an all-gather's or reduce-scatter's output), sorted (module docstring)."""
+    b_s_h = tokens * WIDTH
+    if not sequence:
+        return sorted([("all_reduce", b_s_h)] * (4 * LAYERS))
+    gather = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+    scatter = "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single") else "reduce_scatter_tensor"
+    each_way = [(gather, b_s_h), (scatter, b_s_h // TP)] * (2 * LAYERS + 1)  # blocks; the embedding, head input
+    logits = [("all_gather", tokens * VOCAB // TP)]
+    norms = [("all_reduce", WIDTH)] * (2 * LAYERS + 1)
+    return sorted(2 * each_way + logits + norms)
+
+
 def main(argv=None) -> None:
     args = _parse_args(argv)
     load_before = load_at_start(args)
-    per_rank = run_on_ranks(run, WORLD, args.batch, args.warmup, args.rounds, args.steps, threads=THREADS,
-                            timeout=1800)
-    times = summarize_times(per_rank, ["ours", "torch"], args.steps)
-    b_s_h = args.batch * WIDTH
-    formula = [("all_reduce", b_s_h)] * (4 * LAYERS)
-    calls = per_rank[0]["ours_calls"]
-    big = [c for c in calls if c[1] > 1]  # the scalars are the loss's and Adam's none: none expected
-    result = dict(
-        **times, ratio=times["ours_ms"] / times["torch_ms"], max_param_diff=max(r["diff"] for r in per_rank),
-        bytes_per_step=4 * sum(n for _, n in calls), formula_bytes_per_step=4 * sum(n for _, n in formula),
-        collectives_match_formula=big == formula and len(big) == len(calls),
-        torch_collective_calls=per_rank[0]["torch_calls"],
-        held_bytes=max(r["held"] for r in per_rank), formula_held_bytes=per_rank[0]["expected_held"],
-    )
-    result["held_over_formula"] = result["held_bytes"] / result["formula_held_bytes"]
-    print_table([dict(model="llama", **result)], [
+    results = {}
+    for name, sequence in (("llama", False), ("llama_sp", True)):
+        per_rank = run_on_ranks(run, WORLD, args.batch, args.warmup, args.rounds, args.steps, sequence,
+                                threads=THREADS, timeout=1800)
+        times = summarize_times(per_rank, ["ours", "torch"], args.steps)
+        calls = per_rank[0]["ours_calls"]
+        expected = formula(args.batch, sequence)
+        big = sorted(c for c in calls if sequence or c[1] > 1)  # the loss's and Adam's scalars: none expected
+        results[name] = dict(
+            **times, ratio=times["ours_ms"] / times["torch_ms"], max_param_diff=max(r["diff"] for r in per_rank),
+            bytes_per_step=4 * sum(n for _, n in calls), formula_bytes_per_step=4 * sum(n for _, n in expected),
+            collectives_match_formula=big == expected and len(big) == len(calls),
+            torch_collective_calls=per_rank[0]["torch_calls"],
+            held_bytes=max(r["held"] for r in per_rank), formula_held_bytes=per_rank[0]["expected_held"],
+        )
+        results[name]["held_over_formula"] = results[name]["held_bytes"] / results[name]["formula_held_bytes"]
+    print_table([dict(model=name, **result) for name, result in results.items()], [
         ("model", "model", "s"), ("ours_ms", "ours ms", ".1f"), ("torch_ms", "DTensor ms", ".1f"),
         ("ratio", "ours/torch", ".3f"), ("bytes_per_step", "bytes/step", "d"),
         ("formula_bytes_per_step", "formula", "d"), ("held_over_formula", "held/formula", ".3f")])
     settings = dict(world=WORLD, tp=TP, threads=THREADS, layers=LAYERS, width=WIDTH, heads=HEADS, kv_heads=KV_HEADS,
                     hidden=HIDDEN, vocab=VOCAB, tokens_per_step=args.batch, rounds=args.rounds, steps=args.steps,
                     warmup=args.warmup, optimizer=f"Adam(lr={LR})")
-    write_results(args, settings, load_before, ranks=WORLD, llama=result)
+    write_results(args, settings, load_before, ranks=WORLD, **results)
 
 
 if __name__ == "__main__":

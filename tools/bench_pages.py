@@ -446,7 +446,7 @@ def cpu_malloc_page(runs: dict[str, dict]) -> str:
 
 def tensor_parallel_page(runs: dict[str, dict]) -> str:
     d = runs["tensor_parallel"]
-    s, r = d["settings"], d["llama"]
+    s = d["settings"]
     intro = (f"Tensor parallelism, `pt.Mesh(tp={s['tp']})`, against torch's DTensor tensor parallelism "
              "(`parallelize_module` with `ColwiseParallel` / `RowwiseParallel`) on the same Llama-style model "
              f"({s['layers']} blocks of width {s['width']}, {s['heads']} heads, {s['kv_heads']} kv heads, MLP "
@@ -456,14 +456,21 @@ def tensor_parallel_page(runs: dict[str, dict]) -> str:
              "collective one step of ours issues, × 4, against the formula (per block one all-reduce of b·s·h "
              "after attention and one after the MLP in forward, one per half in backward); torch's are counted "
              "as calls by its CommDebugMode. Held bytes are a rank's parameters, gradients and Adam moments "
-             "against 16 bytes × (replicated + cut / tp).")
-    rows = [[f"{r['ours_ms']:.1f}", f"{r['torch_ms']:.1f}", f"{r['ratio']:.3f}", f"{r['max_param_diff']:.0e}",
+             "against 16 bytes × (replicated + cut / tp). The `sequence parallel` row is "
+             "`pt.Mesh(tp=2, sequence_parallel=True)` against torch's `SequenceParallel` / `PrepareModuleInput` "
+             "plan as torchtitan writes it, the embedding and head cut by the vocabulary in both; its formula is "
+             "an all-gather and a reduce-scatter per block half each way, the embedding's and the head's, the "
+             "logits gathered, and an all-reduce of each norm's gradient.")
+    variants = [("tensor parallel", "llama"), ("sequence parallel", "llama_sp")]
+    rows = [[label, f"{r['ours_ms']:.1f}", f"{r['torch_ms']:.1f}", f"{r['ratio']:.3f}", f"{r['max_param_diff']:.0e}",
              f"{r['bytes_per_step']:,}", f"{r['formula_bytes_per_step']:,}",
              "yes" if r["collectives_match_formula"] else "no",
              ", ".join(f"{n} {op}" for op, n in r["torch_collective_calls"].items()),
-             f"{r['held_bytes'] / MIB:.1f}", f"{r['formula_held_bytes'] / MIB:.1f}", f"{r['held_over_formula']:.3f}"]]
-    headers = ["ours ms/step", "DTensor ms/step", "ratio", "max param diff", "ours bytes/step", "formula bytes/step",
-               "collectives as the formula", "DTensor collectives/step", "held MiB", "formula MiB", "held / formula"]
+             f"{r['held_bytes'] / MIB:.1f}", f"{r['formula_held_bytes'] / MIB:.1f}", f"{r['held_over_formula']:.3f}"]
+            for label, key in variants if (r := d.get(key)) is not None]
+    headers = ["", "ours ms/step", "DTensor ms/step", "ratio", "max param diff", "ours bytes/step",
+               "formula bytes/step", "collectives as the formula", "DTensor collectives/step", "held MiB",
+               "formula MiB", "held / formula"]
     cmd = commands("python bench/tensor_parallel.py" + options(s, *TIMING, ("tokens_per_step", "--batch"))
                    + out("tensor_parallel"))
     return page("Tensor parallelism against torch's DTensor", runs, intro, cmd, table(headers, rows))

@@ -157,6 +157,9 @@ CASES = {  # world → (strategy, training settings) run in one job each
     4: [(pt.Mesh(tp=2, dp="ddp"), {}), (pt.Mesh(tp=2, dp="zero1"), {}), (pt.Mesh(tp=2, dp="zero2"), dict(clip=0.5)),
         (pt.Mesh(tp=2, dp="zero3"), dict(clip=0.5)), (pt.Mesh(tp=4), dict(heads=4, kv_heads=4)),
         (pt.Mesh(tp=2, pp=pt.Pipeline(stages=2, microbatches=2, layers="layers")), dict(tied=True, clip=0.5)),
+        # interleaved 1F1B: each rank two chunks of a 4-block model, each chunk cut over tp
+        (pt.Mesh(tp=2, pp=pt.Pipeline(stages=2, virtual=2, microbatches=2, schedule="interleaved-1f1b",
+                                      layers="layers")), dict(layers=4, clip=0.5)),
         (pt.Mesh(tp=2, dp="zero3", sequence_parallel=True), dict(tied=True, bias=True)),
         (pt.Mesh(tp=2, dp="ddp", sequence_parallel=True), dict(bias=True)),
         (pt.Mesh(tp=4, sequence_parallel=True), dict(heads=4, kv_heads=4, tied=True)),
