@@ -136,10 +136,13 @@ def _one_chunk(name: str, v: int) -> None:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A named schedule: its order and the idle fraction its theory gives (None: none stated)."""
+    """A named schedule: its order, the idle fraction its theory gives (None: none stated), and
+    what refuses settings it cannot run (p, v, m) without building the order, which is p·v·m
+    actions long: the planner weighs pipelines of thousands of micro-batches."""
 
     order: Order
     bubble: Callable[[int, int, int], Fraction | None]
+    refuse: Callable[[int, int, int], None]
     split_backward: bool = False  # runs I and W instead of B
 
 
@@ -155,9 +158,13 @@ def _zero_bubble(p: int, v: int, m: int) -> Fraction | None:
     return Fraction(p - 1, 3 * m + p - 1) if m >= p else None
 
 
+def _one_chunk_only(name: str) -> Callable[[int, int, int], None]:
+    return lambda p, v, m: _one_chunk(name, v)
+
+
 SCHEDULES = {
-    "gpipe": Schedule(gpipe, _classic),
-    "1f1b": Schedule(one_f_one_b, _classic),
-    "interleaved-1f1b": Schedule(interleaved_1f1b, _interleaved),
-    "zb-h1": Schedule(zb_h1, _zero_bubble, split_backward=True),
+    "gpipe": Schedule(gpipe, _classic, _one_chunk_only("gpipe")),
+    "1f1b": Schedule(one_f_one_b, _classic, _one_chunk_only("1f1b")),
+    "interleaved-1f1b": Schedule(interleaved_1f1b, _interleaved, lambda p, v, m: microbatches_per_round(p, m)),
+    "zb-h1": Schedule(zb_h1, _zero_bubble, _one_chunk_only("zb-h1"), split_backward=True),
 }

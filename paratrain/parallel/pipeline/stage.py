@@ -88,7 +88,9 @@ class PipelineStage(ParallelModule):
         self._names = names or {}
         self._loss = loss  # the model's own loss on the head's outputs (a cut's), if it has one
         self.stage, self.stages, self.microbatches, self.virtual = stage, stages, microbatches, virtual
-        self.schedule = schedule if isinstance(schedule, Schedule) else Schedule(schedule, lambda p, v, m: None)
+        # a bare order (a test's hand-made one): no theory of its bubble, nothing to refuse ahead of check()
+        self.schedule = schedule if isinstance(schedule, Schedule) else \
+            Schedule(schedule, lambda p, v, m: None, lambda p, v, m: None)
         self.lists = with_comm(self.schedule.order(stages, virtual, microbatches), stages, virtual)
         check(self.lists, stages, virtual, microbatches, name=getattr(self.schedule.order, "__name__", "the schedule"),
               ordered_pairs=ordered_pairs)  # before any step: refused by rank and action, not hung

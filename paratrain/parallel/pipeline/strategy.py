@@ -63,7 +63,7 @@ class Pipeline(Strategy):
         if not isinstance(self.virtual, int) or self.virtual < 1 or (self.virtual > 1 and self.stages < 2):
             raise ConfigError(f"Pipeline(virtual={self.virtual!r}) is the number of chunks each of the stages "
                               "holds, a positive integer, and more than one needs stages >= 2")
-        SCHEDULES[self.schedule].order(self.stages, self.virtual, self.microbatches)  # refuse its settings now
+        SCHEDULES[self.schedule].refuse(self.stages, self.virtual, self.microbatches)  # refuse its settings now
         if self.balance not in BALANCES:
             raise ConfigError(f"balance must be one of {BALANCES}; got {self.balance!r}")
         if self.split_at is not None:
