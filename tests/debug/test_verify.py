@@ -57,9 +57,8 @@ def test_injected_bugs_are_named_with_their_step_parameter_and_rank(tmp_path):
         ("dropped-bucket:0.weight:2:1", "optimizer step 2, the gradient of 9.bias", "on rank 1; rank 0 agrees"),
     ]
     for hook, where, ranks in cases:
-        done, seconds = verify("-n", "2", "--steps", "2", "--strategy", "ddp", "examples/digits.py",
-                               "--out", str(tmp_path), inject=hook)
-        assert seconds < 60  # one strategy on the digits example: 15-18 s on a quiet machine (README)
+        done, _ = verify("-n", "2", "--steps", "2", "--strategy", "ddp", "examples/digits.py",
+                         "--out", str(tmp_path), inject=hook)
         assert done.returncode == 1, (hook, done.stdout, done.stderr[-2000:])
         assert "they DIFFER" in done.stdout and f"first difference: {where}\n" in done.stdout, done.stdout
         assert ranks in done.stdout, done.stdout
