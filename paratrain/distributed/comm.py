@@ -172,14 +172,26 @@ def reduce_scatter(tensor: torch.Tensor, op=SUM, group=None, *, average: bool = 
     return out.div_(n) if average else out
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], group=None, src: int = 0) -> None:
+BROADCAST_BUCKET_BYTES = 25 << 20  # a coalesced broadcast's flat copy, at most (a larger tensor goes alone)
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], group=None, src: int = 0,
+                        bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
     """Overwrite `tensors` on every rank with rank `src`'s, in one message per dtype and device
-    (torch's DDP does the same in `_broadcast_coalesced`, to pay one latency, not one per tensor)."""
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    and `bucket_bytes` (torch's DDP does the same in `_broadcast_coalesced`, to pay one latency,
+    not one per tensor). The flat copy is at most a bucket: a whole model's would double the
+    memory of setting it up (#48: a pipeline stage's setup peaked at the whole model). Nothing
+    on a group of one rank."""
+    if not tensors or dist.get_world_size(group) == 1:
+        return
+    buckets: dict[tuple, list[list[torch.Tensor]]] = {}
     for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
+        kind = buckets.setdefault((t.dtype, t.device), [[]])
+        if kind[-1] and sum(x.numel() for x in kind[-1]) * t.element_size() + t.nbytes > bucket_bytes:
+            kind.append([])
+        kind[-1].append(t)
     global_src = global_rank(group, src)
-    for same in by_kind.values():
+    for same in (bucket for kind in buckets.values() for bucket in kind):
         flat = torch.cat([t.detach().reshape(-1) for t in same])
         dist.broadcast(flat, src=global_src, group=group)
         offset = 0
@@ -187,6 +199,7 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group=None, src: int = 0) -
             for t in same:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
+        del flat
 
 
 # ---- what torch lacks ----------------------------------------------------------------------

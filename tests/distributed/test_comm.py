@@ -209,3 +209,28 @@ def test_average_needs_a_float_sum():
         comm.all_reduce(torch.tensor([1, 2]), average=True)
     with pytest.raises(UsageError, match="averages a SUM"):
         comm.all_reduce(torch.tensor([1.0]), op=dist.ReduceOp.MAX, average=True)
+
+
+def _broadcast_job(topo):
+    """Rank 0's values of tensors of two dtypes, broadcast in buckets of 64 bytes: each message's
+    elements, and nothing sent on a group of this rank alone."""
+    from tests.support.collectives import counting_collectives
+
+    topo.init(timeout=60)
+    me = dist.get_rank()
+    tensors = [torch.full((n,), float(me), dtype=torch.float32) for n in (4, 4, 8, 40, 2)]
+    tensors += [torch.full((3,), me, dtype=torch.int64), torch.full((10,), me, dtype=torch.int64)]
+    with counting_collectives() as calls:
+        comm.broadcast_coalesced(tensors, bucket_bytes=64)
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes every group
+    with counting_collectives() as none:
+        comm.broadcast_coalesced([torch.ones(3)], groups[me])
+    return [t.tolist() for t in tensors], calls, none
+
+
+def test_broadcast_coalesced_sends_rank_0s_values_in_bounded_buckets():
+    for values, calls, none in run_on_ranks(_broadcast_job, 2):
+        assert all(v == 0 for t in values for v in t)
+        # float32: 4 + 4 + 8 (64 bytes), then 40 alone (larger than a bucket), then 2; int64: 3, then 10
+        assert calls == [("broadcast", 16), ("broadcast", 40), ("broadcast", 2), ("broadcast", 3), ("broadcast", 10)]
+        assert none == []
