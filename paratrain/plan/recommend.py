@@ -89,6 +89,13 @@ def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Clus
         if "error" in row:
             out.append(row)
             continue
+        replicas, batch = data_replicas(strategy, gpus), facts.batch // accumulate
+        if batch < replicas:  # the session's loader would give some replicas no sample
+            out.append({"strategy": row["strategy"], "label": row["label"],
+                        "error": f"a batch of {batch} per micro-step cannot give each of its {replicas} data-parallel "
+                                 f"replicas a sample; raise --batch to {replicas} or more, or cut the model over more "
+                                 "ranks (tp, pp, cp) so that fewer replicas read it"})
+            continue
         seconds = predict_time(source, strategy, step, cluster, gpus=gpus, nodes=nodes, facts=facts,
                                accumulate=accumulate)
         out.append({**row, "activation_checkpointing": bool(step.checkpointed),
@@ -96,6 +103,16 @@ def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Clus
                     "fits": row["device_peak"] <= cluster.device_memory and _host_holds(row, cluster, gpus // nodes),
                     **_speed(seconds, facts, cluster, gpus)})
     return out
+
+
+def data_replicas(strategy: Strategy, gpus: int) -> int:
+    """The data-parallel replicas `strategy` makes of `gpus` devices: each reads its own part of
+    the batch (the ranks of a tp, cp or pipeline group read the same one)."""
+    if isinstance(strategy, Mesh):
+        return gpus // (strategy.tp * strategy.cp * (strategy.pp.stages if strategy.pp is not None else 1))
+    if isinstance(strategy, Pipeline):
+        return gpus // strategy.stages
+    return 1 if strategy.name == "single" else gpus
 
 
 def _host_holds(row: dict, cluster: Cluster, per_node: int) -> bool:
@@ -279,19 +296,20 @@ def smallest_fit(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gp
                           accumulate=accumulate, step=step)[0]
         return row["device_peak"] if "error" not in row and _host_holds(row, cluster, per_node) else 1 << 62
 
-    ways = []
+    ways, batch = [], facts.batch // accumulate
+    # on more devices than the batch has samples, the batch must grow to give each one (data_replicas)
     more = next((n for n in (2 ** k for k in range(11)) if n > gpus and
-                 peak(n, zero3, step.activation_peak_bytes) <= cluster.device_memory), None)
+                 peak(n, zero3, step.activation_peak_bytes * max(1, n // batch)) <= cluster.device_memory), None)
     if more:
-        ways.append(f"{more} devices under zero3{ac}")
+        ways.append(f"{more} devices under zero3{ac}" + (f" and a batch of {more * accumulate}" if more > batch else ""))
     if cluster.host_link is not None and \
             peak(gpus, ZeRO(stage=3, offload=True), step.activation_peak_bytes) <= cluster.device_memory:
         ways.append(f"zero3 with offload{ac} on {gpus}")
     fixed = peak(gpus, zero3, 0)
     per_sample = step.activation_peak_bytes / facts.batch
     if fixed < cluster.device_memory and per_sample and (
-            batch := int((cluster.device_memory - fixed) / per_sample * gpus * accumulate)):
-        ways.append(f"a batch of at most {min(batch, facts.batch - 1)} under zero3{ac} on {gpus}")
+            smaller := int((cluster.device_memory - fixed) / per_sample * gpus * accumulate)):
+        ways.append(f"a batch of at most {min(smaller, facts.batch - 1)} under zero3{ac} on {gpus}")
     if not ways:
         return "nothing up to 1,024 devices fits it"
     return "it would fit with " + "; or ".join(ways)

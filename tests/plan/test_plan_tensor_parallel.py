@@ -84,3 +84,16 @@ def test_sequence_parallelism_cuts_a_ranks_activations_to_one_tp_th_and_hybrid_s
     assert tensor_parallel.activation_fraction(4, False, checkpointed=True) == 1.0
     with pytest.raises(pt.ConfigError, match="does not plan hybrid sharding"):
         predict(model, pt.ZeRO(stage=3, replicate=2), world=8)
+
+
+def test_a_strategy_with_more_replicas_than_samples_is_not_planned(planned):
+    """A batch of 2 on 8 devices: ddp's 8 replicas cannot each read a sample (the session would
+    refuse the loader), tp4's 2 and tp8's 1 can; the recommendation is one that can."""
+    source, _, cluster = planned
+    facts = model_facts(source, 2, seq=16)
+    rows = {r["label"]: r for r in plan_rows(source, facts, cluster, gpus=8, optimizer="adam")}
+    assert "cannot give each of its 8 data-parallel replicas a sample" in rows["ddp"]["error"]
+    assert "cannot give each of its 4 data-parallel replicas" in rows["tp2 x ddp"]["error"]
+    assert "error" not in rows["tp4 x ddp"] and "error" not in rows["tp8 x ddp"]
+    best = recommend(list(rows.values()))
+    assert best is None or "error" not in rows[best["label"]]
