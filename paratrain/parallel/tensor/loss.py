@@ -23,6 +23,7 @@ the head gathers its logits whole, as without loss parallelism.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -65,8 +66,13 @@ class VocabShard(torch.Tensor):
 
 def vocab_parallel(logits: torch.Tensor, group, first: int) -> VocabShard:
     """`logits`, this rank's slice starting at token id `first`, as a VocabShard."""
-    cls = type("VocabShard", (VocabShard,), {"group": group, "first": first})
-    return logits.as_subclass(cls)
+    return logits.as_subclass(_shard_class(group, first))
+
+
+@functools.cache
+def _shard_class(group, first: int) -> type:
+    """The VocabShard class of one head's slice: made once, not at every forward."""
+    return type("VocabShard", (VocabShard,), {"group": group, "first": first})
 
 
 def _check_vocabulary_last(name: str, before: Any, after: Any) -> None:
