@@ -278,24 +278,24 @@ def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
 
 def _mesh(m: _Model, strategy: Mesh, local_world: int) -> list[RankMemory]:
     """Tensor and context parallelism: the data-parallel strategy's memory on the cut model (what a
-    tp rank holds: plan/tensor_parallel.py) over world / tp ranks, which are dp × cp; activations
-    cut as the papers measure, and the ring's K, V blocks in flight (plan/context_parallel.py)."""
+    tp rank holds: plan/tensor_parallel.py) over world / tp ranks, which are dp × cp, or with `pp`
+    the pipeline's over them (pp × dp); activations cut as the papers measure, and the ring's K, V
+    blocks in flight (plan/context_parallel.py)."""
     tp, cp = strategy.tp, strategy.cp
-    if strategy.pp is not None:
-        raise ConfigError("the planner does not plan a pipeline of tensor-parallel stages (Mesh(pp=...)) yet")
     if m.world % (tp * cp):
         raise ConfigError(f"tp={tp} × cp={cp} does not divide the world size {m.world}")
     checkpointed = m.step is not None and bool(m.step.checkpointed)  # what is kept are block inputs
     activations = int(m.activation_bytes * activation_fraction(tp, strategy.sequence_parallel, checkpointed))
     held = m.module if tp == 1 else cut_copy(m.module, strategy)
-    ranks = predict(held, strategy.data_parallel(), world=m.world // tp, optimizer=m.state,
+    inner = strategy.pp if strategy.pp is not None else strategy.data_parallel()
+    ranks = predict(held, inner, world=m.world // tp, optimizer=m.state,
                     local_world=max(1, local_world // tp), activation_bytes=activations, foreach=m.foreach,
-                    accumulate=m.accumulate)
+                    accumulate=m.accumulate, step=m.step if strategy.pp is not None else None)
     if cp > 1 and m.step is not None:
         ring = ring_bytes_held(m.step.attention_kv_bytes, m.step.attention_calls, gpus=m.world,
                                accumulate=m.accumulate)
         ranks = [dataclasses.replace(r, activations=r.activations + ring) for r in ranks]
-    return [ranks[r // tp] for r in range(m.world)]  # rank r is dp × cp rank r // tp (distributed/grid.py)
+    return [ranks[r // tp] for r in range(m.world)]  # rank r is (pp ×) dp × cp rank r // tp (distributed/grid.py)
 
 
 def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:

@@ -69,7 +69,7 @@ def label(strategy: Strategy) -> str:
         return f"pipeline {strategy.stages}x{strategy.microbatches}"
     if isinstance(strategy, Mesh):
         dims = "".join(f"{d}{n} x " for d, n in (("tp", strategy.tp), ("cp", strategy.cp)) if n > 1)
-        return f"{dims}{label(strategy.data_parallel())}"
+        return f"{dims}{label(strategy.pp if strategy.pp is not None else strategy.data_parallel())}"
     return strategy.name + ("+offload" if isinstance(strategy, ZeRO) and strategy.offload else "")
 
 

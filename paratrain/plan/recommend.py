@@ -167,25 +167,28 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
 def _mesh_time(source: ModelSource, strategy: Mesh, step: StepCount, cluster: Cluster, *, gpus: int, nodes: int,
                facts: ModelFacts, accumulate: int) -> step_time.StepTime:
     """Tensor and context parallelism (plan/tensor_parallel.py, plan/context_parallel.py): the
-    data-parallel strategy's step on the cut model over gpus / tp ranks (dp × cp), its compute the
-    cut share, plus the tp all-reduces and the cp ring's passes, all exposed."""
+    data-parallel strategy's step on the cut model over gpus / tp ranks (dp × cp), or with `pp`
+    the pipeline's over them (pp × dp), its compute the cut share, plus the tp all-reduces and
+    the cp ring's passes, all exposed. In a pipeline a rank all-reduces for its stage's blocks
+    only, in every slot: its bubble, slots of the stage's work, grows by the same factor."""
     tp, cp = strategy.tp, strategy.cp
-    if strategy.pp is not None:
-        raise ConfigError("the planner does not plan a pipeline of tensor-parallel stages (Mesh(pp=...)) yet")
     if gpus % (tp * cp):
         raise ConfigError(f"tp={tp} × cp={cp} does not divide {gpus} devices")
-    dp = gpus // tp
+    stages = strategy.pp.stages if strategy.pp is not None else 1
+    inner_strategy = strategy.pp if strategy.pp is not None else strategy.data_parallel()
     cut = source if tp == 1 else ModelSource(source.name, lambda: tensor_parallel.cut_copy(source.shared, strategy),
                                              source.default_seq)
-    inner = predict_time(cut, strategy.data_parallel(), step, cluster, gpus=dp, nodes=min(nodes, dp), facts=facts,
-                         accumulate=accumulate)
+    inner = predict_time(cut, inner_strategy, step, cluster, gpus=gpus // tp, nodes=min(nodes, gpus // tp),
+                         facts=facts, accumulate=accumulate)
     share = tensor_parallel.compute_fraction(tp, step.block_flops, step.flops_forward)
-    comm = tensor_parallel.tp_seconds(step.block_output_bytes, tp=tp, dp=dp, accumulate=accumulate,
-                                      recompute=bool(step.checkpointed), cluster=cluster)
+    comm = tensor_parallel.tp_seconds(step.block_output_bytes, tp=tp, dp=gpus // (tp * stages), accumulate=accumulate,
+                                      recompute=bool(step.checkpointed), cluster=cluster) / stages
     comm += context_parallel.ring_seconds(step.attention_kv_bytes, step.attention_calls, cp=cp, gpus=gpus,
                                           accumulate=accumulate, recompute=bool(step.checkpointed),
                                           same_node=tp * cp <= (cluster.gpus_per_node or gpus), cluster=cluster)
-    return dataclasses.replace(inner, compute=inner.compute * share, exposed_comm=inner.exposed_comm + comm,
+    compute = inner.compute * share
+    bubble = inner.bubble * share * (1 + comm / compute) if compute else inner.bubble
+    return dataclasses.replace(inner, compute=compute, bubble=bubble, exposed_comm=inner.exposed_comm + comm,
                                comm=inner.comm + comm)
 
 
@@ -201,7 +204,8 @@ def _collectives(strategy: Strategy, compute: step_time.Compute, *, sent, cluste
         shares = stage_shares(step, model, strategy.holdings(model))
         return step_time.pipeline(compute.share(1 / replicas), stages=strategy.stages,
                                   microbatches=strategy.microbatches, cut_bytes=cut,
-                                  replicas_group=Group(replicas if sync else 1), stage_bucket_bytes=sizes,
+                                  replicas_group=_stage_replicas(replicas if sync else 1, gpus, nodes),
+                                  stage_bucket_bytes=sizes,
                                   stage_bucket_elements=elements, cluster=cluster, same_node=nodes == 1,
                                   shares=shares[0] if shares is not None else None,
                                   bubble_slots=float(bubble_slots(strategy.action_lists(), strategy.stages)),
@@ -220,6 +224,12 @@ def _collectives(strategy: Strategy, compute: step_time.Compute, *, sent, cluste
     return step_time.StepTime(share.forward + share.backward, 0.0)
 
 
+def _stage_replicas(replicas: int, gpus: int, nodes: int) -> Group:
+    """The group of a pipeline stage's replicas: adjacent ranks (the grid's pp is outermost), so
+    on as few nodes as hold them."""
+    return Group(replicas, spread(replicas, max(1, gpus // nodes)))
+
+
 def _speed(seconds: step_time.StepTime, facts: ModelFacts, cluster: Cluster, gpus: int) -> dict:
     model_flops = facts.step.flops_forward + facts.step.flops_backward
     peak = cluster.peak_flops[FLOPS_DTYPE[facts.precision]]
@@ -232,12 +242,11 @@ def _speed(seconds: step_time.StepTime, facts: ModelFacts, cluster: Cluster, gpu
 def session_line(strategy: Strategy, step: StepCount, precision: str = "32", accumulate: int = 1) -> str:
     """The `pt.Session(...)` that runs `strategy` as planned."""
     if isinstance(strategy, Pipeline):
-        virtual = f", virtual={strategy.virtual}" if strategy.virtual > 1 else ""
-        name = (f"pt.Pipeline(stages={strategy.stages}, schedule={strategy.schedule!r}{virtual}, "
-                f"microbatches={strategy.microbatches})")
+        name = _pipeline_call(strategy)
     elif isinstance(strategy, Mesh):
         dims = "".join(f"{d}={n}, " for d, n in (("tp", strategy.tp), ("cp", strategy.cp)) if n > 1)
-        name = f"pt.Mesh({dims}dp={strategy.data_parallel().name!r})"
+        pp = f", pp={_pipeline_call(strategy.pp)}" if strategy.pp is not None else ""
+        name = f"pt.Mesh({dims}dp={strategy.data_parallel().name!r}{pp})"
     elif isinstance(strategy, ZeRO) and strategy.offload:
         name = f"pt.ZeRO(stage={strategy.stage}, offload=True)"
     else:
@@ -246,6 +255,12 @@ def session_line(strategy: Strategy, step: StepCount, precision: str = "32", acc
     precision = f", precision={precision!r}" if precision != "32" else ""
     accumulated = f", accumulate={accumulate}" if accumulate > 1 else ""
     return f"pt.Session({name}{precision}{accumulated}{ac})"
+
+
+def _pipeline_call(strategy: Pipeline) -> str:
+    virtual = f", virtual={strategy.virtual}" if strategy.virtual > 1 else ""
+    return (f"pt.Pipeline(stages={strategy.stages}, schedule={strategy.schedule!r}{virtual}, "
+            f"microbatches={strategy.microbatches})")
 
 
 def recommend(rows: list[dict]) -> dict | None:

@@ -97,3 +97,65 @@ def test_a_strategy_with_more_replicas_than_samples_is_not_planned(planned):
     assert "error" not in rows["tp4 x ddp"] and "error" not in rows["tp8 x ddp"]
     best = recommend(list(rows.values()))
     assert best is None or "error" not in rows[best["label"]]
+
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """A transformers GPT-2, which a pipeline knows how to cut (pipeline/adapters.py)."""
+    from paratrain.plan.model_source import from_config
+
+    config = dict(model_type="gpt2", n_layer=4, n_embd=256, n_head=4, n_positions=64, vocab_size=512)
+    source = from_config("gpt", config)
+    return source, model_facts(source, 8, seq=64), dataclasses.replace(preset("h100-8x"), host_link=None)
+
+def test_a_pipeline_of_tensor_parallel_stages_is_the_pipeline_on_the_cut_model(gpt):
+    """Mesh(tp, pp): the pipeline's step over world / tp ranks on what a tp rank holds, its
+    compute and bubble the cut share, plus each stage's blocks' tp all-reduces, which also
+    stretch the bubble's slots; its memory is the pipeline's on the cut model."""
+    from paratrain.plan.memory import predict
+
+    source, facts, cluster = gpt
+    step, pipe = facts.step, pt.Pipeline(stages=2, microbatches=2)
+    mesh = pt.Mesh(tp=2, dp="ddp", pp=pipe)
+    got = predict_time(source, mesh, step, cluster, gpus=8, nodes=1, facts=facts)
+    cut = ModelSource(source.name, lambda: tensor_parallel.cut_copy(source.shared, mesh), source.default_seq)
+    inner = predict_time(cut, pipe, step, cluster, gpus=4, nodes=1, facts=facts)
+    share = tensor_parallel.compute_fraction(2, step.block_flops, step.flops_forward)
+    # each stage all-reduces for half the blocks, over its replica's batch (8 over 2 replicas)
+    all_reduces = tensor_parallel.tp_seconds(step.block_output_bytes, tp=2, dp=2, accumulate=1, recompute=False,
+                                             cluster=cluster) / 2
+    assert inner.bubble > 0 and all_reduces > 0
+    assert got.compute == pytest.approx(inner.compute * share)
+    assert got.exposed_comm == pytest.approx(inner.exposed_comm + all_reduces)
+    assert got.bubble == pytest.approx(inner.bubble * share * (1 + all_reduces / got.compute))
+    ranks = predict(source.shared, mesh, world=8, activation_bytes=2**20, step=step)
+    stages = predict(tensor_parallel.cut_copy(source.shared, mesh), pipe, world=4,
+                     activation_bytes=round(2**20 * tensor_parallel.activation_fraction(2)), step=step)
+    assert [r.params for r in ranks] == [stages[r // 2].params for r in range(8)]
+    assert ranks[0].params != ranks[-1].params  # the stages hold different layers (the head on the last)
+    # without tp it is the pipeline itself
+    alone = predict_time(source, pt.Mesh(dp="ddp", pp=pipe), step, cluster, gpus=8, nodes=1, facts=facts)
+    assert alone == predict_time(source, pipe, step, cluster, gpus=8, nodes=1, facts=facts)
+
+
+def test_a_pipeline_of_tensor_parallel_stages_is_a_row_with_the_session_that_runs_it(gpt):
+    from paratrain.plan.recommend import session_line
+
+    source, facts, cluster = gpt
+    mesh = pt.Mesh(tp=2, dp="ddp", pp=pt.Pipeline(stages=2, microbatches=2))
+    assert session_line(mesh, facts.step) == ("pt.Session(pt.Mesh(tp=2, dp='ddp', pp=pt.Pipeline(stages=2, "
+                                              "schedule='1f1b', microbatches=2)))")
+    from paratrain.plan.memory_table import memory_rows
+    row = memory_rows(source, gpus=8, gpus_per_node=8, optimizer="adam", activation_bytes=0, chosen=[mesh])[0]
+    assert row["label"] == "tp2 x pipeline 2x2" and "error" not in row
+
+
+def test_a_stages_replicas_reduce_across_the_nodes_that_hold_them(gpt):
+    """The grid's pp is outermost: a stage's replicas are adjacent ranks, on one node when it
+    holds them, else across nodes (the slower link)."""
+    source, facts, cluster = gpt
+    pipe = pt.Pipeline(stages=2, microbatches=2)
+    one = predict_time(source, pipe, facts.step, cluster, gpus=16, nodes=2, facts=facts)  # a stage per node
+    spread = predict_time(source, pipe, facts.step, cluster, gpus=16, nodes=4, facts=facts)  # a stage on two
+    assert spread.comm > one.comm
