@@ -20,14 +20,16 @@ In the paper's unit:
       efficiency
 error = predicted / published − 1 (for a time, negative: predicted faster); the issue aims at 25 %.
 
-A setting paratrain cannot run (tensor parallelism composed with a pipeline), or one its paper does
-not state enough of to rebuild, is a row with the published figure, no prediction, and why (`note`).
-Tensor-parallel settings are planned with `pt.Mesh(tp, dp="ddp")` (plan/tensor_parallel.py).
+A setting paratrain cannot run, or one its paper does not state enough of to rebuild, is a row
+with the published figure, no prediction, and why (`note`). Tensor-parallel settings are planned
+with `pt.Mesh(tp, dp="ddp")` (plan/tensor_parallel.py), and with a pipeline of such stages as
+`pt.Mesh(tp, dp="ddp", pp=pt.Pipeline(stages, microbatches))`: the Megatron papers' PTD-P.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -52,7 +54,6 @@ ZERO = "Rajbhandari et al., SC 2020, ZeRO (arXiv:1910.02054)"
 MEGATRON_V1 = "NVIDIA ADLR 2020, MegatronLM's Supercharged V1.0 (nv-adlr.github.io/MegatronLMV1)"
 DDP_PAPER = "Li et al., VLDB 2020, PyTorch Distributed (arXiv:2006.15704)"
 TFLOPS, EFFICIENCY, STEP_MS = "TFLOP/s per GPU", "weak-scaling efficiency", "ms per step"
-NO_TP = "not comparable: needs tensor parallelism composed with a pipeline, which paratrain lacks"
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,13 @@ class Setting:
     flops: float = 0.0  # FLOPs per step behind a TFLOPS figure, where its authors' count is known (0: Eq. (3))
     accumulate: int = 1  # micro-batches per step, where one pass of the replica's batch would not fit
     note: str = ""
+
+
+def _ptd(stages: int, gpus: int, batch: int, tp: int = 8) -> pt.Mesh:
+    """Narayanan et al.'s PTD-P: tp inside a node, a pipeline of `stages`, data parallel over the
+    rest; micro-batches of one sample (their Table 2's; what Table 1's rows are planned with)."""
+    replicas = gpus // (tp * stages)
+    return pt.Mesh(tp=tp, dp="ddp", pp=pt.Pipeline(stages=stages, microbatches=batch // replicas))
 
 
 GPT_1_2B = GPT(layers=40, hidden=1536, heads=16, seq=1024)  # Megatron-LM Table 1, first row
@@ -139,10 +147,21 @@ SETTINGS = [
       for size, heads, hidden, layers, tp, gpus, batch, published, accumulate in (
           ("3.6B", 32, 3072, 30, 2, 64, 512, 138, 1), ("7.5B", 32, 4096, 36, 4, 128, 512, 142, 1),
           ("18.4B", 48, 6144, 40, 8, 256, 1024, 135, 2))],
-    Setting(NARAYANAN, "Table 1, 145.6B row", "145.6B GPT, TP 8 x PP 8 on 1536 A100, batch 2304", 148, TFLOPS,
-            gpus=1536, note=NO_TP),
-    Setting(NARAYANAN, "Table 2, PTD parallelism", "GPT-3 175B, model-parallel size 96 on 384 A100, batch 1536",
-            153, TFLOPS, gpus=384, note=NO_TP),
+    *[Setting(NARAYANAN, f"Table 1, {size} row", f"{size} GPT, seq 2048, batch {batch} on {gpus} A100, TP 8, PP {pp}",
+              published, TFLOPS, gpus=gpus, batch=batch, model=GPT(layers=layers, hidden=hidden, heads=heads, seq=2048),
+              cluster="a100-8x", strategy=_ptd(pp, gpus, batch),
+              note=f"tensor parallel 8 inside a node, a pipeline of {pp} stages, data parallel over the rest; the "
+                   f"micro-batch and schedule are not stated: planned as 1F1B of micro-batches of 1")
+      for size, heads, hidden, layers, pp, gpus, batch, published in (
+          ("39.1B", 64, 8192, 48, 2, 512, 1536, 138), ("76.1B", 80, 10240, 60, 4, 1024, 1792, 140),
+          ("145.6B", 96, 12288, 80, 8, 1536, 2304, 148), ("310.1B", 128, 16384, 96, 16, 1920, 2160, 155),
+          ("529.6B", 128, 20480, 105, 35, 2520, 2520, 163), ("1T", 160, 25600, 128, 64, 3072, 3072, 163))],
+    *[Setting(NARAYANAN, "Table 2, PTD parallelism", f"GPT-3 175B, TP 8 x PP 12 on {gpus} A100, batch 1536, "
+              "micro-batch 1", published, TFLOPS, gpus=gpus, batch=1536, model=GPT3, cluster="a100-8x",
+              strategy=_ptd(12, gpus, 1536),
+              note="model-parallel size 96 (the paper's): tensor parallel 8 inside a node times 12 stages; the "
+                   "schedule is not stated: planned as 1F1B")
+      for gpus, published in ((384, 153), (768, 149), (1536, 141))],
     Setting(ZERO, "§10.4, Figure 4", "1.5B-13B GPT-2, ZeRO-DP without model parallelism on 128 V100", 40,
             TFLOPS + " (average)", gpus=128,
             note="not rebuilt: each model's batch is given only in Table 10, an image in the copies of the paper "
@@ -156,8 +175,7 @@ SETTINGS = [
 
 def predict(s: Setting) -> dict:
     """The planner's step for `s`, its parts, and whether the fullest rank fits."""
-    source = from_config(f"{s.model.layers}x{s.model.hidden} GPT", s.model.config())
-    facts = model_facts(source, s.batch, s.model.seq, precision="fp16")
+    source, facts = _probed(s.model, s.batch)
     step = facts.checkpointed  # every setting here recomputes its blocks' activations
     cluster = preset(s.cluster)
     nodes = nodes_for(s.gpus, cluster)
@@ -170,6 +188,13 @@ def predict(s: Setting) -> dict:
             "exposed_comm_seconds": seconds.exposed_comm, "comm_seconds": seconds.comm,
             "optimizer_seconds": seconds.optimizer, "nodes": nodes, "device_peak_gib": memory["device_peak"] / 2**30,
             "fits": memory["device_peak"] <= cluster.device_memory}
+
+
+@functools.lru_cache(maxsize=None)
+def _probed(model: GPT, batch: int):
+    """The model and the planner's count of its step (rows of one model and batch share them)."""
+    source = from_config(f"{model.layers}x{model.hidden} GPT", model.config())
+    return source, model_facts(source, batch, model.seq, precision="fp16")
 
 
 def in_paper_unit(s: Setting, got: dict, base: dict | None) -> float:

@@ -86,10 +86,10 @@ from paratrain.parallel.buckets import buffer_numel
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.hierarchical import Hierarchical
 from paratrain.parallel.pipeline import Pipeline
-from paratrain.parallel.pipeline.check import peak_alive
 from paratrain.parallel.single import Single
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
+from paratrain.plan import schedule_figures
 from paratrain.plan.block_regions import stage_shares
 from paratrain.plan.context_parallel import ring_bytes_held
 from paratrain.plan.layouts import data_parallel_layout, stage_layout, zero12_layout
@@ -317,7 +317,7 @@ def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
     else:
         saved, rest = [m.activation_bytes / strategy.stages] * strategy.stages, 0
     stages = []
-    alive = peak_alive(strategy.action_lists())  # per rank, in chunks of 1/virtual of its stage
+    alive = schedule_figures.figures(strategy)[1]  # per rank, in chunks of 1/virtual of its stage
     for s, held in enumerate(holdings):
         params = list({id(p): p for p in held}.values())
         trainable = [p for p in params if p.requires_grad]

@@ -24,10 +24,9 @@ from paratrain.parallel.base import Strategy
 from paratrain.parallel.ddp import DDP
 from paratrain.parallel.hierarchical import Hierarchical
 from paratrain.parallel.pipeline import Pipeline
-from paratrain.parallel.pipeline.check import bubble_slots
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
-from paratrain.plan import context_parallel, step_time, tensor_parallel
+from paratrain.plan import context_parallel, schedule_figures, step_time, tensor_parallel
 from paratrain.plan.block_regions import stage_shares
 from paratrain.plan.cluster import Cluster
 from paratrain.plan.comm_model import Group
@@ -208,7 +207,7 @@ def _collectives(strategy: Strategy, compute: step_time.Compute, *, sent, cluste
                                   stage_bucket_bytes=sizes,
                                   stage_bucket_elements=elements, cluster=cluster, same_node=nodes == 1,
                                   shares=shares[0] if shares is not None else None,
-                                  bubble_slots=float(bubble_slots(strategy.action_lists(), strategy.stages)),
+                                  bubble_slots=schedule_figures.figures(strategy)[0],
                                   virtual=strategy.virtual)
     share = compute.share(1 / gpus)
     scatter = cluster.backend != "gloo"  # zero/collectives.py: what measured faster on each backend
