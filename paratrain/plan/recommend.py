@@ -47,13 +47,13 @@ def plan_rows(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus:
     chosen = strategies(gpus, facts.batch // accumulate, offload=cluster.host_link is not None, per_node=gpus // nodes,
                         attention=facts.step.attention_calls > 0)
     how = {"gpus": gpus, "nodes": nodes, "optimizer": optimizer, "accumulate": accumulate}
-    plain = _rows(source, facts, facts.step, cluster, chosen, **how)
+    plain = timed_rows(source, facts, facts.step, cluster, chosen, **how)
     if facts.checkpointed is None:
         return plain
     again = [s for s, row in zip(chosen, plain) if "error" not in row and not row["fits"]]
     if not again:
         return plain
-    checkpointed = iter(_rows(source, facts, facts.checkpointed, cluster, again, **how))
+    checkpointed = iter(timed_rows(source, facts, facts.checkpointed, cluster, again, **how))
     return [next(checkpointed) if s in again else row for s, row in zip(chosen, plain)]
 
 
@@ -78,8 +78,8 @@ def spread(gpus: int, per_node: int) -> int:
     return next(m for m in range(-(-gpus // per_node), gpus + 1) if gpus % m == 0)
 
 
-def _rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Cluster, chosen: list[Strategy],
-          *, gpus: int, nodes: int, optimizer: str, accumulate: int) -> list[dict]:
+def timed_rows(source: ModelSource, facts: ModelFacts, step: StepCount, cluster: Cluster, chosen: list[Strategy],
+               *, gpus: int, nodes: int, optimizer: str, accumulate: int) -> list[dict]:
     memory = memory_rows(source, gpus=gpus, gpus_per_node=gpus // nodes, optimizer=optimizer,
                          activation_bytes=step.activation_peak_bytes, chosen=chosen,
                          foreach=cluster.device == "cuda", accumulate=accumulate, step=step)

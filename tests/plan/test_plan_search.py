@@ -1,0 +1,60 @@
+"""plan/search.py: the candidates it weighs and the ranking it returns."""
+
+import dataclasses
+
+import pytest
+
+import paratrain as pt
+from paratrain.plan.cluster_presets import preset
+from paratrain.plan.model_probe import model_facts
+from paratrain.plan.model_source import from_config
+from paratrain.plan.recommend import timed_rows
+from paratrain.plan.search import candidates, describe_search, search
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    config = dict(model_type="gpt2", n_layer=4, n_embd=256, n_head=4, n_positions=64, vocab_size=512)
+    source = from_config("gpt", config)
+    return source, model_facts(source, 32, seq=64, precision="bf16"), dataclasses.replace(preset("h100-8x"),
+                                                                                           host_link=None)
+
+
+def test_the_candidates_cover_every_dimension_and_only_shapes_that_divide(gpt):
+    source, facts, cluster = gpt
+    found = list(candidates(source, facts, cluster, gpus=16, nodes=2))
+    meshes = [s for s, _ in found if isinstance(s, pt.Mesh)]
+    assert {m.tp for m in meshes} == {1, 2, 4, 8} and {m.cp for m in meshes} == {1, 2, 4, 8}
+    piped = [m.pp for m in meshes if m.pp is not None]
+    assert {p.stages for p in piped} == {2, 4} and {p.virtual for p in piped} == {1, 2}
+    assert all(m.cp == 1 for m in meshes if m.pp is not None)  # Mesh refuses cp with pp
+    assert {k for _, k in found} == {1, 2, 4, 8}
+    for strategy, k in found:
+        tp, cp = (strategy.tp, strategy.cp) if isinstance(strategy, pt.Mesh) else (1, 1)
+        stages = strategy.pp.stages if isinstance(strategy, pt.Mesh) and strategy.pp is not None else 1
+        replicas = 16 // (tp * cp * stages)
+        assert 16 % (tp * cp * stages) == 0 and facts.batch % (replicas * k) == 0
+
+
+def test_the_ranking_is_the_fastest_fitting_rows_each_as_the_planner_times_it(gpt):
+    source, facts, cluster = gpt
+    rows = search(source, facts, cluster, gpus=16, optimizer="adam", top=4)
+    assert len(rows) == 4 and all(r["fits"] for r in rows)
+    speeds = [r["per_device_per_second"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True)
+    # nothing among the candidates that fits is faster than the first
+    best = speeds[0]
+    for strategy, k in list(candidates(source, facts, cluster, gpus=16, nodes=2))[::7]:
+        row = timed_rows(source, facts, facts.step, cluster, [strategy], gpus=16, nodes=2, optimizer="adam",
+                         accumulate=k)[0]
+        if "error" not in row and row["fits"]:
+            assert row["per_device_per_second"] <= best * (1 + 1e-9)
+    text = describe_search(rows, gpus=16, cluster=cluster, per="token")
+    assert rows[0]["session"] in text and text.count("pt.Session(") == 4
+
+
+def test_a_device_too_small_for_every_candidate_finds_nothing(gpt):
+    source, facts, cluster = gpt
+    tiny = dataclasses.replace(cluster, device_memory=1024)
+    assert search(source, facts, tiny, gpus=4, optimizer="adam") == []
+    assert "no configuration fits" in describe_search([], gpus=4, cluster=tiny, per="token")
