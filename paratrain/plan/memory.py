@@ -94,7 +94,7 @@ from paratrain.plan.block_regions import stage_shares
 from paratrain.plan.context_parallel import ring_bytes_held
 from paratrain.plan.layouts import data_parallel_layout, stage_layout, zero12_layout
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
-from paratrain.plan.tensor_parallel import activation_fraction, cut_copy
+from paratrain.plan.tensor_parallel import activation_fraction, cut_copy, inner_strategy
 from paratrain.plan.zero3_backward import backward_peak, zero3_walk_flats
 
 
@@ -287,8 +287,7 @@ def _mesh(m: _Model, strategy: Mesh, local_world: int) -> list[RankMemory]:
     checkpointed = m.step is not None and bool(m.step.checkpointed)  # what is kept are block inputs
     activations = int(m.activation_bytes * activation_fraction(tp, strategy.sequence_parallel, checkpointed))
     held = m.module if tp == 1 else cut_copy(m.module, strategy)
-    inner = strategy.pp if strategy.pp is not None else strategy.data_parallel()
-    ranks = predict(held, inner, world=m.world // tp, optimizer=m.state,
+    ranks = predict(held, inner_strategy(strategy), world=m.world // tp, optimizer=m.state,
                     local_world=max(1, local_world // tp), activation_bytes=activations, foreach=m.foreach,
                     accumulate=m.accumulate, step=m.step if strategy.pp is not None else None)
     if cp > 1 and m.step is not None:

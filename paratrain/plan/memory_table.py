@@ -14,6 +14,7 @@ from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
 from paratrain.plan.memory import RankMemory, predict
 from paratrain.plan.model_source import ModelSource
+from paratrain.plan.tensor_parallel import inner_strategy
 
 FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations", "workspace", "host",
            "fresh_grads", "comm_at_start")
@@ -69,7 +70,7 @@ def label(strategy: Strategy) -> str:
         return f"pipeline {strategy.stages}x{strategy.microbatches}"
     if isinstance(strategy, Mesh):
         dims = "".join(f"{d}{n} x " for d, n in (("tp", strategy.tp), ("cp", strategy.cp)) if n > 1)
-        return f"{dims}{label(strategy.pp if strategy.pp is not None else strategy.data_parallel())}"
+        return f"{dims}{label(inner_strategy(strategy))}"
     return strategy.name + ("+offload" if isinstance(strategy, ZeRO) and strategy.offload else "")
 
 

@@ -174,11 +174,10 @@ def _mesh_time(source: ModelSource, strategy: Mesh, step: StepCount, cluster: Cl
     if gpus % (tp * cp):
         raise ConfigError(f"tp={tp} × cp={cp} does not divide {gpus} devices")
     stages = strategy.pp.stages if strategy.pp is not None else 1
-    inner_strategy = strategy.pp if strategy.pp is not None else strategy.data_parallel()
     cut = source if tp == 1 else ModelSource(source.name, lambda: tensor_parallel.cut_copy(source.shared, strategy),
                                              source.default_seq)
-    inner = predict_time(cut, inner_strategy, step, cluster, gpus=gpus // tp, nodes=min(nodes, gpus // tp),
-                         facts=facts, accumulate=accumulate)
+    inner = predict_time(cut, tensor_parallel.inner_strategy(strategy), step, cluster, gpus=gpus // tp,
+                         nodes=min(nodes, gpus // tp), facts=facts, accumulate=accumulate)
     share = tensor_parallel.compute_fraction(tp, step.block_flops, step.flops_forward)
     comm = tensor_parallel.tp_seconds(step.block_output_bytes, tp=tp, dp=gpus // (tp * stages), accumulate=accumulate,
                                       recompute=bool(step.checkpointed), cluster=cluster) / stages

@@ -1,5 +1,5 @@
-"""`paratrain plan MODEL --gpus N --cluster C --search`: every way to lay the step over the mesh
-that fits, ranked by predicted throughput, each as the `pt.Session(...)` line that runs it.
+"""Every way to lay a step over the mesh of N devices that fits, ranked by predicted throughput,
+each as the `pt.Session(...)` line that runs it (`search`; `paratrain plan` does not call it yet).
 
 What is searched, for the global batch the command gives (recommend.py times each one):
 
@@ -30,8 +30,8 @@ from collections.abc import Iterator
 from paratrain.errors import ParatrainError
 from paratrain.parallel.base import Strategy
 from paratrain.parallel.pipeline import Pipeline
+from paratrain.parallel.tensor import mesh
 from paratrain.parallel.tensor.mesh import Mesh
-from paratrain.parallel.zero import ZeRO
 from paratrain.plan.cluster import Cluster
 from paratrain.plan.model_probe import ModelFacts
 from paratrain.plan.model_source import ModelSource
@@ -78,7 +78,7 @@ def candidates(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus
 
 def _mesh(tp: int, cp: int, dp: str) -> Strategy:
     if tp == 1 and cp == 1:  # the plain strategy: what its row and Session line name
-        return ZeRO(stage=int(dp[-1])) if dp.startswith("zero") else Mesh(dp=dp).data_parallel()
+        return mesh.DATA_PARALLEL[dp]()
     return Mesh(tp=tp, cp=cp, dp=dp)
 
 
@@ -87,20 +87,16 @@ def search(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus: in
     """The `top` fitting candidates by tokens (or samples) per second per device, fastest first;
     each a plan row (recommend.py) with its `session` line."""
     nodes = nodes_for(gpus, cluster, nodes)
-    grouped: dict[int, list[Strategy]] = {}
-    for strategy, k in candidates(source, facts, cluster, gpus=gpus, nodes=nodes):
-        grouped.setdefault(k, []).append(strategy)
     steps = [facts.step] + ([facts.checkpointed] if facts.checkpointed is not None else [])
     found = []
-    for (k, chosen), step in itertools.product(grouped.items(), steps):
-        for strategy in chosen:
-            try:
-                row = timed_rows(source, facts, step, cluster, [strategy], gpus=gpus, nodes=nodes,
-                                 optimizer=optimizer, accumulate=k)[0]
-            except ParatrainError:  # a width or cut the model cannot take
-                continue
-            if "error" not in row and row["fits"]:
-                found.append(row)
+    for (strategy, k), step in itertools.product(candidates(source, facts, cluster, gpus=gpus, nodes=nodes), steps):
+        try:  # one at a time: a width or cut the model cannot take raises for its own candidate only
+            row = timed_rows(source, facts, step, cluster, [strategy], gpus=gpus, nodes=nodes,
+                             optimizer=optimizer, accumulate=k)[0]
+        except ParatrainError:
+            continue
+        if "error" not in row and row["fits"]:
+            found.append(row)
     found.sort(key=lambda row: -row["per_device_per_second"])
     return found[:top]
 

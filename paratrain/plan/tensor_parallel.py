@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
+from paratrain.parallel.base import Strategy
 from paratrain.parallel.tensor.layers import ColwiseLinear, RowwiseLinear, VocabEmbedding
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.tensor.plan import COLWISE, ROWWISE, plan_for
@@ -104,6 +105,12 @@ def _split_dims(module: nn.Module, style: str) -> dict[str, int]:
     if isinstance(module, nn.Linear):
         return dict(RowwiseLinear.shard_dim if style == ROWWISE else ColwiseLinear.shard_dim)
     return {name: 0 for name, p in module.named_parameters(recurse=False) if p.dim() >= 1}
+
+
+def inner_strategy(strategy: Mesh) -> Strategy:
+    """What runs over the ranks that hold the same tp slices: the pipeline with `pp`, else the
+    data-parallel strategy."""
+    return strategy.pp if strategy.pp is not None else strategy.data_parallel()
 
 
 def activation_fraction(tp: int, sequence_parallel: bool = False, checkpointed: bool = False) -> float:
