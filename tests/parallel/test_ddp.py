@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -285,6 +286,9 @@ def _rebuild_memory(topo, zero_grad: bool):
     kept = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
     if zero_grad:
         ddp.zero_grad(set_to_none=True)
+    # gloo's worker thread keeps the finished all-reduce's Work, and with it the bucket, until it
+    # takes its next job: let it go first, or the weakref below sees gloo's hold, not the rebuild's
+    time.sleep(0.5)
     old = ddp._buckets.buckets[0].buffer
     first = (len(ddp._buckets.buckets), old.numel())
     old, freed = weakref.ref(old), []
