@@ -112,6 +112,10 @@ ONE_V100 = Setting(
     MEGATRON, "§5.1.1 (text)", "1.2B GPT-2, seq 1024, batch 8, one V100 of a DGX-2H", 39, TFLOPS, gpus=1, batch=8,
     model=GPT_1_2B, cluster="v100-dgx2h", strategy=pt.Single(), flops=MEGATRON_FLOPS,
     note="FLOPs per step as Megatron counts them: 62.4 TFLOP/s x 1,288 ms (the V1.0 post, next row)")
+# Megatron held fp16 parameters and activations; under autocast paratrain keeps fp32 parameters and
+# the residual stream in fp32, so the first stage's 64 micro-batches in flight hold twice the bytes
+TOO_BIG_1T = ("; does not fit as paratrain would run it: the first stage's 64 micro-batches of fp32 block "
+              "inputs (autocast leaves the residual stream fp32) with fp32 parameters pass 80 GB")
 SETTINGS = [
     ONE_V100,
     Setting(MEGATRON_V1, "Table 1, first row", "the same step with Megatron-LM v1.0 (fused kernels)", 1288, STEP_MS,
@@ -146,12 +150,13 @@ SETTINGS = [
                    "that fit")
       for size, heads, hidden, layers, tp, gpus, batch, published, accumulate in (
           ("3.6B", 32, 3072, 30, 2, 64, 512, 138, 1), ("7.5B", 32, 4096, 36, 4, 128, 512, 142, 1),
-          ("18.4B", 48, 6144, 40, 8, 256, 1024, 135, 2))],
+          ("18.4B", 48, 6144, 40, 8, 256, 1024, 135, 4))],
     *[Setting(NARAYANAN, f"Table 1, {size} row", f"{size} GPT, seq 2048, batch {batch} on {gpus} A100, TP 8, PP {pp}",
               published, TFLOPS, gpus=gpus, batch=batch, model=GPT(layers=layers, hidden=hidden, heads=heads, seq=2048),
               cluster="a100-8x", strategy=_ptd(pp, gpus, batch),
               note=f"tensor parallel 8 inside a node, a pipeline of {pp} stages, data parallel over the rest; the "
-                   f"micro-batch and schedule are not stated: planned as 1F1B of micro-batches of 1")
+                   f"micro-batch and schedule are not stated: planned as 1F1B of micro-batches of 1"
+                   + (TOO_BIG_1T if size == "1T" else ""))
       for size, heads, hidden, layers, pp, gpus, batch, published in (
           ("39.1B", 64, 8192, 48, 2, 512, 1536, 138), ("76.1B", 80, 10240, 60, 4, 1024, 1792, 140),
           ("145.6B", 96, 12288, 80, 8, 1536, 2304, 148), ("310.1B", 128, 16384, 96, 16, 1920, 2160, 155),
@@ -182,7 +187,7 @@ def predict(s: Setting) -> dict:
     seconds = predict_time(source, s.strategy, step, cluster, gpus=s.gpus, nodes=nodes, facts=facts,
                            accumulate=s.accumulate)
     memory = memory_rows(source, gpus=s.gpus, gpus_per_node=s.gpus // nodes, optimizer="adam",
-                         activation_bytes=step.activation_bytes, chosen=[s.strategy], step=step,
+                         activation_bytes=step.activation_peak_bytes, chosen=[s.strategy], step=step,
                          accumulate=s.accumulate)[0]
     return {"step_seconds": seconds.total, "compute_seconds": seconds.compute,
             "exposed_comm_seconds": seconds.exposed_comm, "comm_seconds": seconds.comm,

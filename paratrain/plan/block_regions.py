@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 class BlockRegions:
     """Hooks on `blocks` (module names) that follow one forward: which block is running, what
     each saves for backward and outputs, and the forward FLOPs of each and of the lead (before
-    the first block), read from `counter` (the forward's FlopCounterMode, set once it exists).
+    the first block), read from `counter` (the forward's fake_step.Flops, set once it exists).
     A checkpointed block runs its forward again in backward: that run adds no saved bytes (the
     probe's hooks are off by then) and no forward FLOPs (the forward's counter has stopped)."""
 
@@ -34,7 +34,7 @@ class BlockRegions:
         self.counter: Any = None
 
     def _now(self) -> int:
-        return self.counter.get_total_flops() if self.counter is not None else 0
+        return self.counter.total if self.counter is not None else 0
 
     def save(self, nbytes: int) -> None:
         """A new storage saved for backward, while whatever is running runs."""

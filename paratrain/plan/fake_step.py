@@ -1,6 +1,7 @@
 """Running a model once on fake tensors, for model_probe.py: the model's parameters and buffers
 swapped for fakes (`faked`), attention as the fused kernel a GPU runs (`fused_attention`,
-`CPU_ATTENTION_FLOPS`), and the lifetime of every storage the run makes (`Lifetimes`)."""
+`CPU_ATTENTION_FLOPS`), the FLOPs of the run (`Flops`) and the lifetime of every storage it makes
+(`Lifetimes`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 
 @contextmanager
@@ -52,6 +53,33 @@ CPU_ATTENTION_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
         lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v),
 }
+FLOP_FORMULAS = {**flop_registry, **{op: shape_wrapper(f) for op, f in CPU_ATTENTION_FLOPS.items()}}
+
+
+class Flops(TorchDispatchMode):
+    """The FLOPs of the ops run while this is active (`total`), counted as FlopCounterMode counts
+    them: torch's formulas by op, an op without one decomposed first where it can be. Not
+    FlopCounterMode itself: its module tracker hooks every module's outputs, and in backward those
+    hooks kept a checkpointed block's recomputed activations alive until backward ended (the GC is
+    off under Lifetimes), which made a checkpointed step's transient memory several times what
+    torch holds at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        formula = FLOP_FORMULAS.get(func.overloadpacket)
+        if formula is None and func is not torch.ops.prim.device.default:
+            with self:
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
+        out = func(*args, **kwargs)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 @contextmanager

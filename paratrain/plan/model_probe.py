@@ -4,9 +4,10 @@ The model is built on the meta device (model_source.py); its parameters and buff
 for fake CPU tensors (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes, dtypes, devices
 and storages, no memory, no arithmetic), and one forward and one backward of one batch run:
 
-- FLOPs: `torch.utils.flop_counter.FlopCounterMode` around the forward, and around the backward
-  (which includes the forward of checkpointed modules run again). It counts matmuls,
-  convolutions and attention, 2 FLOPs per multiply-add; elementwise work is not counted.
+- FLOPs: torch's FLOP formulas (`torch.utils.flop_counter`, as FlopCounterMode applies them;
+  fake_step.Flops) around the forward, and around the backward (which includes the forward of
+  checkpointed modules run again). They count matmuls, convolutions and attention, 2 FLOPs per
+  multiply-add; elementwise work is not counted.
 - Activation bytes: every tensor autograd saves for backward, seen through
   `torch.autograd.graph.saved_tensors_hooks` during the forward, counted once per storage (a view
   and its base are one storage; a tensor saved by two ops is one), parameters and buffers
@@ -50,13 +51,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
 
 from paratrain.components.activation_checkpointing import Which, checkpoint_activations, select
 from paratrain.components.precision import PRECISIONS
 from paratrain.errors import ConfigError
 from paratrain.plan.block_regions import BlockRegions
-from paratrain.plan.fake_step import CPU_ATTENTION_FLOPS, Lifetimes, faked, fused_attention
+from paratrain.plan.fake_step import Flops, Lifetimes, faked, fused_attention
 from paratrain.plan.matmuls import Matmuls, Recorder, Traffic, extend_matmuls, scaling
 from paratrain.plan.model_source import ModelSource
 from paratrain.plan.repeated_blocks import Stack, cut, extend, extend_blocks, find_stack
@@ -217,15 +217,14 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
         with faked(model, mode) as state, mode, fused_attention(kv):
             args, kwargs = source.inputs(model, batch, seq)
             with Lifetimes(state) as lifetimes:
-                with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as forward, \
+                with Flops() as forward, \
                         Recorder() as forward_work, torch.autograd.graph.saved_tensors_hooks(pack, _same), \
                         (torch.autocast("cpu", dtype=autocast) if autocast else nullcontext()):
                     regions.counter = forward
                     loss = _loss(model(*args, **kwargs), loss_fn)
                 regions.counter = None
                 calls, kv_bytes = len(kv), sum(kv)  # forward's only
-                with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as backward, \
-                        Recorder() as backward_work:
+                with Flops() as backward, Recorder() as backward_work:
                     loss.backward()
             grads = {StorageWeakRef(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
             transient = lifetimes.peak(leaving_out=grads)
@@ -233,7 +232,7 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
     finally:
         for handle in handles:
             handle.remove()
-    counted = StepCount(flops_forward=forward.get_total_flops(), flops_backward=backward.get_total_flops(),
+    counted = StepCount(flops_forward=forward.total, flops_backward=backward.total,
                         activation_bytes=sum(saved.values()), block_activation_bytes=regions.saved,
                         block_output_bytes=regions.outputs, block_flops=regions.flops, lead_flops=regions.lead_flops,
                         lead_activation_bytes=regions.lead_saved, checkpointed=checkpointed, transient_bytes=transient,

@@ -286,7 +286,8 @@ def test_accumulate_runs_the_batch_as_micro_batches_and_synchronises_once(capsys
 
 @pytest.mark.slow
 def test_a_model_that_fits_nowhere_says_what_would_fit(capsys):
-    code, out, err = run(capsys, "llama-2-70b", "--gpus", "4", "--cluster", "h100-8x", "--batch", "8",
+    # 128 samples: with checkpointing, even zero3 with offload holds a quarter of 133 GiB of activations
+    code, out, err = run(capsys, "llama-2-70b", "--gpus", "4", "--cluster", "h100-8x", "--batch", "128",
                          "--seq", "1024", "--precision", "bf16")
     assert code == 2 and len(err.strip().splitlines()) == 1
     advice = re.search(r"no strategy fits llama-2-70b in 80 GiB per device on 4 h100-8x device\(s\); it would fit "
@@ -294,7 +295,7 @@ def test_a_model_that_fits_nowhere_says_what_would_fit(capsys):
     assert advice, err
     assert "ddp +ckpt" in out  # what did not fit was tried again with checkpointing
     # the advice holds: on that many devices (with a sample for each, if it said so) zero3 with checkpointing fits
-    batch = advice.group(3) or "8"
+    batch = advice.group(3) or "128"
     assert int(batch) >= int(advice.group(1))
     code, out, _ = run(capsys, "llama-2-70b", "--gpus", advice.group(1), "--cluster", "h100-8x", "--batch", batch,
                        "--seq", "1024", "--precision", "bf16", "--json")

@@ -195,6 +195,15 @@ def test_checkpointing_keeps_each_blocks_input_and_recomputes_its_forward():
     assert ckpt.flops_backward == plain.flops_backward + 4 * (block_flops()[0] - B * T * 8 * C * C)
 
 
+def test_a_checkpointed_stack_holds_one_blocks_recompute_at_a_time():
+    """Checkpointed, each more block adds its saved input (B·T·C floats) to the transient peak and
+    nothing else: backward recomputes one block, uses it and lets it go before the next. (Counting
+    FLOPs with FlopCounterMode kept every recomputed block alive to the end of backward.)"""
+    four, eight = (model_facts(source(lambda: GPT(layers=n)), B, T).checkpointed for n in (4, 8))
+    assert eight.transient_bytes - four.transient_bytes == 4 * (4 * B * T * C)
+    assert eight.flops_backward > four.flops_backward > 0
+
+
 def test_each_blocks_forward_flops_and_what_runs_before_and_after_them_are_counted_apart():
     """The embeddings before the blocks make no matmul; each block costs block_flops()'s forward;
     after the blocks, the head: 2·B·T·C·vocab. What is saved before the blocks (the token and
