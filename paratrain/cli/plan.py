@@ -5,6 +5,7 @@
     paratrain plan gpt2-xl --gpus 8 --cluster h100-8x --batch 8 --seq 1024 --png scaling.png
     paratrain plan gpt2-xl --gpus 8 --nodes 2 --cluster h100-8x --batch 8 --seq 1024
     paratrain plan gpt2-xl --gpus 8 --cluster h100-8x --batch 64 --accumulate 4 --seq 1024
+    paratrain plan llama-2-70b --gpus 1024 --cluster h100-8x --batch 1024 --seq 4096 --precision bf16 --search
     paratrain plan mypackage.models:build --batch 32
     paratrain plan --calibrate cpu.json
 
@@ -17,6 +18,9 @@ the leading strategies' throughput and memory per device from 1 to 1,024 devices
 gpus_per_node; default: the fewest whole nodes of the cluster's size): which collectives leave a
 node (comm_model.py), hierarchical's node groups, and the node size --png scales with. The
 pt.Session(...) line does not change: a session reads the node layout from its launcher.
+`--search [TOP]` (with --gpus and --cluster) also searches every layout of the step over the N
+devices: tp × cp × pp × virtual × the data-parallel strategy × micro-batches × checkpointing
+(plan/search.py), and prints the TOP (default 5) fastest that fit, each with its Session line.
 `--accumulate K` plans gradient accumulation (Session(accumulate=K)): `--batch` stays the
 optimizer step's, run as K micro-batches of batch/K (recommend.py).
 Bad input (an unknown model, preset or file, a factory that raises) is one line on stderr and
@@ -96,6 +100,8 @@ exit status 2, as everywhere in the CLI.
       or strategy, label, error  a strategy that cannot run the model on N ranks, and why
     recommended       null, or the fitting row with the most per_device_per_second: its `session`
     fit_advice        null, or when nothing fits (with --cluster): what would (recommend.smallest_fit)
+    search            null without --search; else the fastest layouts that fit, fastest first, each
+                      a row as in strategies (plan/search.py); the search ignores --accumulate
 """
 
 from __future__ import annotations
@@ -110,6 +116,7 @@ from paratrain.plan.calibrate import Settings, calibrate
 from paratrain.plan.cluster import Cluster, save_cluster
 from paratrain.plan.cluster_presets import PRESETS as CLUSTERS
 from paratrain.plan.cluster_presets import load_cluster
+from paratrain.plan.layouts import reused
 from paratrain.plan.memory_table import describe_memory, memory_rows, strategies
 from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts
 from paratrain.plan.model_source import PRESETS as MODELS
@@ -117,6 +124,7 @@ from paratrain.plan.model_source import resolve
 from paratrain.plan.optimizer_state import OPTIMIZERS
 from paratrain.plan.recommend import FLOPS_DTYPE, describe_plan, nodes_for, plan_rows, recommend, smallest_fit
 from paratrain.plan.scaling import draw, leaders, scaling
+from paratrain.plan.search import describe_search, search
 
 SCHEMA = "paratrain.plan/0"
 QUICK = Settings(sizes=(2**12, 2**18, 2**20), repeats=2, trials=2, matmul_size=256, matmul_seconds=0.2,
@@ -149,12 +157,20 @@ def add_plan_parser(commands) -> None:
                       help="whose state the memory table counts (default: adam)")
     plan.add_argument("--png", metavar="FILE", help="with --gpus and --cluster: draw predicted throughput and "
                       "memory per device against 1 to 1,024 devices for the leading strategies (plan/scaling.py)")
+    plan.add_argument("--search", type=int, nargs="?", const=5, metavar="TOP",
+                      help="with --gpus and --cluster: search tp, cp, pp, virtual, the dp strategy, micro-batches "
+                      "and checkpointing for the TOP (default 5) fastest layouts that fit (plan/search.py)")
     plan.add_argument("--json", action="store_true", help="one JSON object (schema: paratrain/cli/plan.py)")
     plan.add_argument("--calibrate", metavar="OUT.json", help="measure this machine and write a cluster file")
     plan.add_argument("--quick", action="store_true", help="with --calibrate: fewer, smaller measurements")
 
 
 def plan(args: argparse.Namespace) -> None:
+    with reused():  # nothing changes a model while the command plans it (plan/layouts.py)
+        _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> None:
     if not args.model and not args.calibrate:
         raise ConfigError("name a MODEL to plan, or --calibrate OUT.json to measure this machine")
     if args.gpus is not None and args.gpus < 1:
@@ -162,6 +178,9 @@ def plan(args: argparse.Namespace) -> None:
     if args.accumulate < 1 or args.batch % args.accumulate:
         raise ConfigError(f"--accumulate {args.accumulate} splits --batch {args.batch} into micro-batches: give a "
                           f"--batch that is a multiple of it (or --accumulate 1)")
+    if args.search is not None and (args.gpus is None or not args.cluster or not args.model or args.search < 1):
+        raise ConfigError("--search ranks layouts over the devices of a cluster: give MODEL, --gpus N and --cluster, "
+                          "and a TOP of at least 1")
     if args.nodes is not None and args.gpus is None:
         raise ConfigError(f"--nodes {args.nodes} spreads the devices of --gpus over nodes: give --gpus N too")
     calibrated = None
@@ -183,10 +202,13 @@ def plan(args: argparse.Namespace) -> None:
                      accumulate=args.accumulate)
     if args.png:
         _draw_scaling(args, facts, cluster, rows, nodes)
+    searched = search(resolve(args.model), facts, cluster, gpus=args.gpus, optimizer=args.optimizer, nodes=nodes,
+                      top=args.search) if args.search else None
     if args.json:
         print(json.dumps({**to_json(facts, cluster, args.calibrate), "accumulate": args.accumulate,
                           "nodes": nodes, "strategies": rows,
-                          "recommended": best["session"] if best else None, "fit_advice": advice}, indent=2))
+                          "recommended": best["session"] if best else None, "fit_advice": advice,
+                          "search": searched}, indent=2))
         return
     if calibrated is not None:
         print(describe_cluster(calibrated, f"wrote {args.calibrate}, cluster"))
@@ -199,6 +221,8 @@ def plan(args: argparse.Namespace) -> None:
     if timed:
         print(describe_plan(rows, gpus=args.gpus, cluster=cluster, per="token" if facts.seq else "sample", size=_bytes,
                             nodes=nodes))
+    if searched is not None:
+        print(describe_search(searched, gpus=args.gpus, cluster=cluster, per="token" if facts.seq else "sample"))
     if advice is not None:
         raise ConfigError(f"no strategy fits {facts.name} in {_bytes(cluster.device_memory)} per device on "
                           f"{args.gpus} {cluster.name} device(s); {advice}")

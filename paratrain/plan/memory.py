@@ -92,7 +92,7 @@ from paratrain.parallel.zero import ZeRO
 from paratrain.plan import schedule_figures
 from paratrain.plan.block_regions import stage_shares
 from paratrain.plan.context_parallel import ring_bytes_held
-from paratrain.plan.layouts import data_parallel_layout, stage_layout, zero12_layout
+from paratrain.plan.layouts import data_parallel_layout, stage_layout, trainable, zero12_layout
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
 from paratrain.plan.tensor_parallel import activation_fraction, cut_copy, inner_strategy
 from paratrain.plan.zero3_backward import backward_peak, zero3_walk_flats
@@ -161,8 +161,8 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     state = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
     if world < 1 or accumulate < 1:
         raise ConfigError(f"world and accumulate must be at least 1; got world {world}, accumulate {accumulate}")
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    facts = _Model(model, trainable, group_of or {p: 0 for p in trainable}, state, world, activation_bytes, foreach,
+    held = trainable(model)
+    facts = _Model(model, held, group_of or {p: 0 for p in held}, state, world, activation_bytes, foreach,
                    accumulate, step)
     if isinstance(strategy, Pipeline):
         return _pipeline(facts, strategy)

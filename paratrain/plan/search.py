@@ -1,5 +1,5 @@
 """Every way to lay a step over the mesh of N devices that fits, ranked by predicted throughput,
-each as the `pt.Session(...)` line that runs it (`search`; `paratrain plan` does not call it yet).
+each as the `pt.Session(...)` line that runs it (`search`; `paratrain plan --search`).
 
 What is searched, for the global batch the command gives (recommend.py times each one):
 
@@ -33,6 +33,7 @@ from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.tensor import mesh
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.plan.cluster import Cluster
+from paratrain.plan.layouts import reused
 from paratrain.plan.model_probe import ModelFacts
 from paratrain.plan.model_source import ModelSource
 from paratrain.plan.recommend import nodes_for, timed_rows
@@ -89,14 +90,16 @@ def search(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus: in
     nodes = nodes_for(gpus, cluster, nodes)
     steps = [facts.step] + ([facts.checkpointed] if facts.checkpointed is not None else [])
     found = []
-    for (strategy, k), step in itertools.product(candidates(source, facts, cluster, gpus=gpus, nodes=nodes), steps):
-        try:  # one at a time: a width or cut the model cannot take raises for its own candidate only
-            row = timed_rows(source, facts, step, cluster, [strategy], gpus=gpus, nodes=nodes,
-                             optimizer=optimizer, accumulate=k)[0]
-        except ParatrainError:
-            continue
-        if "error" not in row and row["fits"]:
-            found.append(row)
+    with reused():  # the layouts of each cut copy, made once (plan/layouts.py)
+        for (strategy, k), step in itertools.product(candidates(source, facts, cluster, gpus=gpus, nodes=nodes),
+                                                     steps):
+            try:  # one at a time: a width or cut the model cannot take raises for its own candidate only
+                row = timed_rows(source, facts, step, cluster, [strategy], gpus=gpus, nodes=nodes,
+                                 optimizer=optimizer, accumulate=k)[0]
+            except ParatrainError:
+                continue
+            if "error" not in row and row["fits"]:
+                found.append(row)
     found.sort(key=lambda row: -row["per_device_per_second"])
     return found[:top]
 

@@ -24,7 +24,7 @@ from paratrain.parallel.ddp import DDP
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.single import Single
 from paratrain.parallel.zero import ZeRO
-from paratrain.plan.layouts import data_parallel_layout, stage_layout, zero3_flats, zero12_layout
+from paratrain.plan.layouts import data_parallel_layout, stage_layout, trainable, zero3_flats, zero12_layout
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,16 @@ def traffic(model: nn.Module, strategy: Strategy, *, world: int, local_world: in
         return Traffic()
     if isinstance(strategy, Pipeline):
         return _pipeline(model, strategy)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    one_group = {p: 0 for p in trainable}  # the planner's optimizer has one param group
+    held = trainable(model)
+    one_group = {p: 0 for p in held}  # the planner's optimizer has one param group
     if isinstance(strategy, ZeRO) and strategy.stage == 3:
         return _zero3(model, strategy, world, one_group)
     if isinstance(strategy, ZeRO):
-        reduction, layout, _ = zero12_layout(trainable, strategy, world, one_group)
+        reduction, layout, _ = zero12_layout(held, strategy, world, one_group)
         buckets = [_sized(b, reduction.pad_to) for b in layout]
         return Traffic(buckets=buckets, gathers=[nbytes for _, nbytes in buckets])
     if isinstance(strategy, DDP):
-        reduction, layout = data_parallel_layout(trainable, strategy, local_world or world)
+        reduction, layout = data_parallel_layout(held, strategy, local_world or world)
         return Traffic(buckets=[_sized(b, reduction.pad_to) for b in layout])
     raise ConfigError(f"no traffic model for strategy {strategy.name!r}")
 

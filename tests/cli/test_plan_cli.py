@@ -61,7 +61,7 @@ def test_the_model_facts_print_and_the_json_follows_the_schema(capsys):
     facts = model_facts(resolve("tests.support.models:MLP"), 4, activation_checkpointing=None)
     assert got["schema"] == "paratrain.plan/0" and got["calibrated"] is None
     assert set(got) == {"schema", "model", "cluster", "compute_seconds", "calibrated", "accumulate", "nodes",
-                        "strategies", "recommended", "fit_advice"}
+                        "strategies", "recommended", "fit_advice", "search"}
     assert got["accumulate"] == 1  # no --gpus:
     assert got["strategies"] is None and got["recommended"] is None and got["nodes"] is None
     model = got["model"]
@@ -239,6 +239,7 @@ def test_offload_rows_step_on_the_host_and_copy_over_its_link(capsys, tmp_path):
 
     argv = ("gpt2", "--gpus", "8", "--cluster", "h100-8x", "--batch", "8", "--seq", "128", "--json")
     plan = json.loads(run(capsys, *argv)[1])
+    assert plan["search"] is None  # only with --search
     by = {r["label"]: r for r in plan["strategies"]}
     h100, model = preset("h100-8x"), resolve("gpt2").build()
     for stage in (1, 2, 3):
@@ -437,3 +438,18 @@ def test_every_strategy_plans_the_same_on_the_shared_model_as_on_a_fresh_one():
         assert memory_rows(fresh, chosen=[strategy], **how) == [row], row["label"]
         assert predict_time(fresh, strategy, facts.step, h100, gpus=8, nodes=1, facts=facts) == seconds
     assert source.shared is source.shared and source.build() is not source.build()
+
+
+def test_search_prints_the_fastest_layouts_that_fit_each_with_its_session_line(capsys):
+    argv = ("gpt2", "--gpus", "16", "--cluster", "h100-8x", "--batch", "32", "--seq", "128", "--precision", "bf16")
+    code, out, err = run(capsys, *argv, "--search", "3", "--json")
+    assert code == 0, err
+    found = json.loads(out)["search"]
+    assert len(found) == 3 and all(row["fits"] for row in found)
+    speeds = [row["per_device_per_second"] for row in found]
+    assert speeds == sorted(speeds, reverse=True)
+    assert speeds[0] >= max(r["per_device_per_second"] for r in json.loads(out)["strategies"] if r.get("fits"))
+    code, out, _ = run(capsys, *argv, "--search")  # TOP defaults to 5
+    assert code == 0 and "the 5 fastest that fit" in out and found[0]["session"] in out
+    code, _, err = run(capsys, "gpt2", "--gpus", "16", "--search")
+    assert code == 2 and "--search ranks layouts over the devices of a cluster" in err

@@ -1,10 +1,12 @@
 """plan/search.py: the candidates it weighs and the ranking it returns."""
 
 import dataclasses
+import itertools
 
 import pytest
 
 import paratrain as pt
+from paratrain.errors import ParatrainError
 from paratrain.plan.cluster_presets import preset
 from paratrain.plan.model_probe import model_facts
 from paratrain.plan.model_source import from_config
@@ -58,3 +60,39 @@ def test_a_device_too_small_for_every_candidate_finds_nothing(gpt):
     tiny = dataclasses.replace(cluster, device_memory=1024)
     assert search(source, facts, tiny, gpus=4, optimizer="adam") == []
     assert "no configuration fits" in describe_search([], gpus=4, cluster=tiny, per="token")
+
+
+def test_the_ranking_is_every_candidate_timed_alone_with_nothing_reused(gpt):
+    """The search makes each layout once (layouts.reused); its ranking is that of every candidate
+    timed on its own, with nothing reused."""
+    from paratrain.plan import layouts
+
+    source, facts, cluster = gpt
+    rows = search(source, facts, cluster, gpus=16, optimizer="adam", top=3)
+    assert layouts._reused is None  # the cache lasts only as long as the search
+    alone = []
+    for (strategy, k), step in itertools.product(candidates(source, facts, cluster, gpus=16, nodes=2),
+                                                 (facts.step, facts.checkpointed)):
+        try:
+            row = timed_rows(source, facts, step, cluster, [strategy], gpus=16, nodes=2, optimizer="adam",
+                             accumulate=k)[0]
+        except ParatrainError:
+            continue
+        if "error" not in row and row["fits"]:
+            alone.append(row)
+    alone.sort(key=lambda row: -row["per_device_per_second"])
+    assert rows == alone[:3]
+
+
+def test_reused_layouts_are_made_once_per_model_strategy_and_world(gpt):
+    from paratrain.plan import layouts
+
+    model = gpt[0].build()
+    held = layouts.trainable(model)
+    with layouts.reused():
+        first = layouts.zero3_flats(model, pt.ZeRO(stage=3), {p: 0 for p in held})
+        assert layouts.zero3_flats(model, pt.ZeRO(stage=3), {p: 0 for p in held}) is first
+        assert layouts.zero3_flats(model, pt.ZeRO(stage=3, prefetch=False), {p: 0 for p in held}) is not first
+        assert layouts.trainable(model) is layouts.trainable(model)
+    assert layouts.zero3_flats(model, pt.ZeRO(stage=3), {p: 0 for p in held}) is not first  # made again
+    assert layouts.zero3_flats(model, pt.ZeRO(stage=3), {p: 0 for p in held}) == first
