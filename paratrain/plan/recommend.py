@@ -30,6 +30,7 @@ from paratrain.plan import context_parallel, schedule_figures, step_time, tensor
 from paratrain.plan.block_regions import stage_shares
 from paratrain.plan.cluster import Cluster
 from paratrain.plan.comm_model import Group
+from paratrain.plan.layouts import trainable
 from paratrain.plan.memory_table import memory_rows, strategies
 from paratrain.plan.model_probe import ModelFacts, StepCount
 from paratrain.plan.model_source import ModelSource
@@ -139,7 +140,7 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
         local = _collectives(strategy, micro, sync=False, accumulate=accumulate, **how)
         seconds = step_time.accumulated(seconds, local, accumulate)
     stepped = sum(n for n, _ in sent.buckets) if sent.buckets else facts.trainable_params
-    tensors = [p.numel() for p in model.parameters() if p.requires_grad]
+    tensors = [p.numel() for p in trainable(model)]
     if isinstance(strategy, ZeRO):
         stepped //= gpus  # each rank steps its slice: one flat shard per bucket (unit)
         tensors = [max(1, n // gpus) for n, _ in sent.buckets] or tensors
@@ -153,7 +154,7 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
     if cluster.device == "cpu":  # gloo reduces on the cores that compute (step_time.py)
         seconds = step_time.on_cores(seconds, step_time.sharing(cluster, world=gpus, nodes=nodes))
     if isinstance(strategy, ZeRO) and strategy.offload:  # the masters' dtype: the parameters' own
-        size = next(p.element_size() for p in model.parameters() if p.requires_grad)
+        size = trainable(model)[0].element_size()
         gathers = 2 * accumulate if strategy.stage == 3 else 1
         host_step, copies = step_time.offload(tensors, size, cluster, gathers=gathers)
         if host_step:  # the host steps, and the copies to and from it are exposed (0: no host link)
