@@ -52,6 +52,9 @@ exit status 2, as everywhere in the CLI.
         attention_kv_bytes                the keys and values of every attention call in forward
                                           (what context parallelism passes around its ring)
         attention_calls                   F.scaled_dot_product_attention calls in forward
+        weight_copy_bytes                 autocast's low-precision copies of the weights, one
+                                          each (fp32 parameters under bf16 or fp16; not in the
+                                          activations: each rank holds those of its weights)
         checkpointed                      [] here
       checkpointed    the same with --activation-checkpointing's modules checkpointed
                       (`checkpointed` names them; flops_backward includes the recompute), or null
@@ -76,6 +79,9 @@ exit status 2, as everywhere in the CLI.
       comm_buffers, gathered     upper bounds of what backward / ZeRO-3's gathers add
       activations                approximate: the step's transient_bytes (at least its
                                  activation_bytes), this rank's share
+      weight_copies              approximate: autocast's low-precision copies of the weights
+                                 this rank computes with (fp32 parameters under --precision
+                                 bf16 or fp16), held through the backward (plan/memory.py)
       workspace                  approximate: the optimizer step's temporaries on the device
                                  (optimizer_state.OptimizerState.workspace; foreach on a cuda cluster)
       host                       of params + grads + optimizer: in CPU memory (offload)
@@ -84,8 +90,9 @@ exit status 2, as everywhere in the CLI.
       comm_at_start              of comm_buffers, what the backward holds at its start (zero2: the
                                  bucket it fills first); null: all of them
       at_rest, device_peak       params + grads + optimizer; on the device at the peak: at_rest
-                                 - host - fresh_grads + max(gathered + max(activations +
-                                 comm_at_start, comm_buffers + fresh_grads), fresh_grads + workspace)
+                                 - host - fresh_grads + max(weight_copies + gathered +
+                                 max(activations + comm_at_start, comm_buffers + fresh_grads),
+                                 fresh_grads + workspace)
       with --cluster too:
       activation_checkpointing   whether this row checkpoints (tried when it does not fit without)
       session         the pt.Session(...) line that runs it
@@ -285,6 +292,9 @@ def describe_facts(facts: ModelFacts, cluster: Cluster | None) -> str:
              f"({_flops(step) / facts.tokens / max(facts.params, 1):.2f} × parameters)",
              f"  activations {_bytes(step.activation_bytes)} saved for backward; "
              f"{_bytes(step.activation_peak_bytes)} at the backward's peak, with their gradients and temporaries"]
+    if step.weight_copy_bytes:
+        lines.append(f"  autocast's copies of the weights {_bytes(step.weight_copy_bytes)} "
+                     f"({facts.precision} casts of the fp32 parameters, held through the backward)")
     if ckpt is not None:
         lines.append(f"  checkpointing {len(ckpt.checkpointed)} modules ({_span(ckpt.checkpointed)}): "
                      f"activations {_bytes(ckpt.activation_bytes)} ({_bytes(ckpt.activation_peak_bytes)} at the peak), "

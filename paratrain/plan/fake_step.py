@@ -108,7 +108,12 @@ def faked(model: nn.Module, mode: FakeTensorMode) -> Iterator[set[StorageWeakRef
 
 class Lifetimes(TorchDispatchMode):
     """When each storage an op makes is born and dies, in ops (model_probe's docstring: transient bytes).
-    `ignore`: storages never counted (the model's fake parameters and buffers)."""
+    `ignore`: storages never counted (the model's fake parameters and buffers).
+
+    A cast of one of them to another dtype (autocast's low-precision copy of a weight) is not
+    counted either, but kept apart in `copies`, by the weight it copies: how long it lives
+    depends on the strategy, not on the batch (memory.py's weight copies), so the planner
+    counts it per rank, and the batch's transient bytes leave it out."""
 
     def __init__(self, ignore: set[StorageWeakRef]):
         super().__init__()
@@ -118,6 +123,8 @@ class Lifetimes(TorchDispatchMode):
         self.clock = 0  # ops run so far
         self.alive: dict[StorageWeakRef, int] = {}  # storage -> its index in `spans`
         self.spans: list[list] = []  # [born, bytes, died or None, storage]
+        self.copies: dict[StorageWeakRef, int] = {}  # weight -> the bytes of its cast
+        self.copy_storages: set[StorageWeakRef] = set()  # the casts alive
 
     def __enter__(self):
         # no collection first: garbage from before holds no storage this count follows, and a full
@@ -136,10 +143,16 @@ class Lifetimes(TorchDispatchMode):
         self.clock += 1
         for ref in [ref for ref in self.alive if ref.expired()]:  # a freed storage's address may be reused
             self.spans[self.alive.pop(ref)][2] = self.clock
+        self.copy_storages = {ref for ref in self.copy_storages if not ref.expired()}
+        if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) \
+                and (weight := StorageWeakRef(args[0].untyped_storage())) in self.ignore:
+            self.copies[weight] = max(self.copies.get(weight, 0), out.untyped_storage().nbytes())
+            self.copy_storages.add(StorageWeakRef(out.untyped_storage()))
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 ref = StorageWeakRef(t.untyped_storage())
-                if ref not in self.alive and ref not in self.ignore:
+                if ref not in self.alive and ref not in self.ignore and ref not in self.copy_storages:
                     self.alive[ref] = len(self.spans)
                     self.spans.append([self.clock, t.untyped_storage().nbytes(), None, ref])
         return out

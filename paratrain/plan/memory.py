@@ -56,6 +56,17 @@ from (the functions named are the ones the strategies themselves call):
   backward starts from the loss, the rest of the transient peak for one micro-batch (the bench
   GPT's pipeline peaks: +20 % and +12 % over measured with an even split, -6 % and -5 % so);
   without blocks, the transient peak evenly over the stages.
+- weight_copies: APPROXIMATE, under autocast with parameters in fp32: the low-precision copy of
+  each weight the rank computes with (model_probe's StepCount.weight_copy_bytes, per parameter
+  element, times the elements the rank holds whole: all of them under ddp, zero1 and zero2, its
+  stage's in a pipeline, its slices under tp). Autocast caches the cast of a parameter, and the
+  session's autocast spans forward and backward, so they live from the forward's first use to
+  the backward's end, whatever the batch and however checkpointed. ZeRO-3's gathered parameters
+  are views into the unit's flat buffer, which autocast does not cache: the copies are what the
+  matmuls save for backward, all of them at the forward's end (an upper bound: the last unit's
+  backward may free one before another is made), or, with checkpointing, the root unit's and
+  one other unit's while it runs again. None with ZeRO's `param_dtype`: the parameters are in
+  the low precision already. tests/plan/test_plan_memory.py measures them in real bf16 steps.
 - host: how much of params + grads + optimizer is in CPU memory (ZeRO's offload).
 - fresh_grads: how much of grads on the device zero_grad frees and the next backward makes again
   (ZeRO-2's reduced slices, ZeRO-3's shards' gradients); ddp's and zero1's buckets stay. They
@@ -108,6 +119,7 @@ class RankMemory:
     comm_buffers: int = 0  # transient during backward, upper bound
     gathered: int = 0  # zero3: full units gathered at once, upper bound
     activations: int = 0  # the forward and backward's transient peak, approximate
+    weight_copies: int = 0  # autocast's low-precision copies of the weights, through the backward
     host: int = 0  # of params + grads + optimizer: in CPU memory (offload)
     workspace: int = 0  # the optimizer step's temporaries on the device, approximate
     fresh_grads: int = 0  # of grads on the device: freed by zero_grad, made again in backward
@@ -130,7 +142,7 @@ class RankMemory:
         fresh = self.fresh_grads
         start = self.comm_buffers if self.comm_at_start is None else self.comm_at_start
         late = self.gathered + self.comm_buffers + fresh if self.late_backward is None else self.late_backward
-        backward = max(self.gathered + self.activations + start, late)
+        backward = self.weight_copies + max(self.gathered + self.activations + start, late)
         return self.at_rest - self.host - fresh + max(backward, fresh + self.workspace)
 
 
@@ -138,7 +150,7 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
             local_world: int | None = None, activation_bytes: int = 0,
             group_of: dict[nn.Parameter, int] | None = None,
             arrival: list[nn.Parameter] | None = None, foreach: bool = False, accumulate: int = 1,
-            step: Any = None) -> list[RankMemory]:
+            step: Any = None, weight_copy_rate: float | None = None) -> list[RankMemory]:
     """Rank r's bytes at index r, for `model` trained by `strategy` on `world` ranks.
 
     optimizer: an OptimizerState or a name in OPTIMIZERS.
@@ -151,7 +163,10 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     accumulate: micro-batches per optimizer step (Session(accumulate=...)), each 1/accumulate of
         the batch; all but the last backward run under no_sync().
     step: model_probe's StepCount that activation_bytes came from: a pipeline's stages get their
-        share of them (block_regions.stage_shares); None: an even split.
+        share of them (block_regions.stage_shares), and each rank the copies autocast makes of
+        the weights it holds; None: an even split, and no copies.
+    weight_copy_rate: bytes of those copies per parameter element (default: the step's
+        weight_copy_bytes over the model's parameters).
     """
     if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
         raise ConfigError(f"the planner knows the optimizers {', '.join(OPTIMIZERS)}; got {optimizer!r}")
@@ -162,8 +177,11 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     if world < 1 or accumulate < 1:
         raise ConfigError(f"world and accumulate must be at least 1; got world {world}, accumulate {accumulate}")
     held = trainable(model)
+    if weight_copy_rate is None:
+        elements = sum(p.numel() for p in model.parameters())
+        weight_copy_rate = step.weight_copy_bytes / elements if step is not None and elements else 0.0
     facts = _Model(model, held, group_of or {p: 0 for p in held}, state, world, activation_bytes, foreach,
-                   accumulate, step)
+                   accumulate, step, weight_copy_rate)
     if isinstance(strategy, Pipeline):
         return _pipeline(facts, strategy)
     if isinstance(strategy, Mesh):
@@ -177,7 +195,8 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     elif isinstance(strategy, Single):
         if world != 1:
             raise ConfigError(f"strategy 'single' runs one process; got world {world}")
-        one = _plain(state, list(model.parameters()), facts.activations, foreach)
+        one = dataclasses.replace(_plain(state, list(model.parameters()), facts.activations, foreach),
+                                  weight_copies=facts.copies(model.parameters()))
     else:
         raise ConfigError(f"no memory model for strategy {strategy.name!r}")
     return [one] * world
@@ -194,6 +213,11 @@ class _Model:
     foreach: bool = False
     accumulate: int = 1
     step: Any = None  # model_probe.StepCount, for a pipeline's stage shares
+    copy_rate: float = 0.0  # autocast's weight copies, bytes per parameter element
+
+    def copies(self, params) -> int:
+        """The bytes of autocast's copies of `params` (the module docstring's weight_copies)."""
+        return round(self.copy_rate * sum(p.numel() for p in params))
 
     @property
     def activations(self) -> int:
@@ -227,7 +251,8 @@ def _data_parallel(m: _Model, strategy: DDP, local_world: int, arrival) -> RankM
     plain = _plain(m.state, list(m.module.parameters()), 0, m.foreach)
     chunks = sum(s // reduction.pad_to for s in sizes) if isinstance(strategy, Hierarchical) else 0
     return RankMemory(params=plain.params, grads=sum(sizes), optimizer=plain.optimizer, comm_buffers=chunks,
-                      activations=m.activations, workspace=plain.workspace)
+                      activations=m.activations, weight_copies=m.copies(m.module.parameters()),
+                      workspace=plain.workspace)
 
 
 def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
@@ -251,6 +276,7 @@ def _zero12(m: _Model, strategy: ZeRO) -> RankMemory:
                       comm_buffers=held if strategy.stage == 2 else 0,
                       comm_at_start=filling if strategy.stage == 2 else 0,
                       activations=m.activations,
+                      weight_copies=0 if strategy.param_dtype is not None else m.copies(m.module.parameters()),
                       host=2 * master_bytes + optimizer if strategy.offload else 0,
                       workspace=0 if strategy.offload else m.state.workspace(mine, m.foreach))
 
@@ -265,13 +291,17 @@ def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
     full = {u: sum(f.full for f in flats if f.unit == u) for u in {f.unit for f in flats}}
     others = sorted((b for u, b in full.items() if u), reverse=True)[:2 if strategy.prefetch else 1]
     window = m.accumulate > 1  # every unit's full flat gradient held from the first backward to the last
+    copies = 0 if strategy.param_dtype is not None else m.copies(m.module.parameters())
+    if copies and m.step is not None and m.step.checkpointed:  # the root's, and one unit's run again
+        elements = {u: sum(f.stepped[0] for f in flats if f.unit == u) * m.world for u in full}
+        copies = round(m.copy_rate * (elements.get("", 0) + max((n for u, n in elements.items() if u), default=0)))
     return RankMemory(params=m.frozen_bytes + shard_bytes, grads=shard_bytes, optimizer=optimizer,
                       fresh_grads=0 if strategy.offload else shard_bytes,
                       comm_buffers=sum(f.full for f in flats) if window else max((f.with_copy for f in flats),
                                                                                   default=0),
                       gathered=full.get("", 0) + sum(others),
                       late_backward=None if window else backward_peak(flats, full, strategy.prefetch),
-                      activations=m.activations,
+                      activations=m.activations, weight_copies=copies,
                       host=2 * shard_bytes + optimizer if strategy.offload else 0,
                       workspace=0 if strategy.offload else m.state.workspace(shards, m.foreach))
 
@@ -289,7 +319,7 @@ def _mesh(m: _Model, strategy: Mesh, local_world: int) -> list[RankMemory]:
     held = m.module if tp == 1 else cut_copy(m.module, strategy)
     ranks = predict(held, inner_strategy(strategy), world=m.world // tp, optimizer=m.state,
                     local_world=max(1, local_world // tp), activation_bytes=activations, foreach=m.foreach,
-                    accumulate=m.accumulate, step=m.step if strategy.pp is not None else None)
+                    accumulate=m.accumulate, step=m.step, weight_copy_rate=m.copy_rate)
     if cp > 1 and m.step is not None:
         ring = ring_bytes_held(m.step.attention_kv_bytes, m.step.attention_calls, gpus=m.world,
                                accumulate=m.accumulate)
@@ -327,5 +357,5 @@ def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
         activations = round((saved[s] * in_flight + extra) / (replicas * micro * m.accumulate))
         plain = _plain(m.state, params, activations, m.foreach)
         stages.append(RankMemory(params=plain.params, grads=grads, optimizer=plain.optimizer,
-                                 activations=activations, workspace=plain.workspace))
+                                 activations=activations, weight_copies=m.copies(params), workspace=plain.workspace))
     return [stages[r // replicas] for r in range(m.world)]

@@ -16,8 +16,8 @@ from paratrain.plan.memory import RankMemory, predict
 from paratrain.plan.model_source import ModelSource
 from paratrain.plan.tensor_parallel import inner_strategy
 
-FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations", "workspace", "host",
-           "fresh_grads", "comm_at_start")
+FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations", "weight_copies", "workspace",
+           "host", "fresh_grads", "comm_at_start")
 
 
 def strategies(gpus: int, batch: int | None = None, offload: bool = True,
@@ -80,19 +80,24 @@ def _figures(memory: RankMemory) -> dict:
 
 
 def describe_memory(rows: list[dict], *, gpus: int, optimizer: str, size) -> str:
-    """The text table; `size` formats bytes."""
-    head = ["strategy", "params", "grads", "optimizer", "comm", "gathered", "activations", "opt. step", "device peak"]
+    """The text table; `size` formats bytes. A column of weight copies where a row has some."""
+    copies = any(row.get("weight_copies") for row in rows)
+    figures = ["params", "grads", "optimizer", "comm_buffers", "gathered", "activations",
+               *(["weight_copies"] if copies else []), "workspace", "device_peak"]
+    head = ["strategy", "params", "grads", "optimizer", "comm", "gathered", "activations",
+            *(["w. copies"] if copies else []), "opt. step", "device peak"]
     lines = [f"memory per rank on {gpus} device(s), {optimizer} (the fullest rank; exact: params, grads, "
              "optimizer; upper bounds: comm, gathered; approximate: activations, the optimizer step's "
-             "temporaries; the peak holds the larger of comm + gathered + activations and opt. step, and zero2's and "
+             "temporaries" + (", autocast's low-precision copies of the weights (w. copies)" if copies else "") +
+             "; the peak holds the larger of comm + gathered + activations"
+             + (" + w. copies" if copies else "") + " and opt. step, and zero2's and "
              "zero3's gradients, made again in each backward, in place of activations as they are freed):",
              "  " + "".join(f"{h:>13}" if i else f"{h:<14}" for i, h in enumerate(head))]
     for row in rows:
         if "error" in row:
             lines.append(f"  {row['label']:<14}not planned: {row['error'].split(';')[0]}")
             continue
-        cells = [row[k] for k in ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations",
-                                  "workspace", "device_peak")]
+        cells = [row[k] for k in figures]
         host = f"  (+{size(row['host'])} in CPU memory)" if row["host"] else ""
         lines.append(f"  {row['label']:<14}" + "".join(f"{size(c):>13}" for c in cells) + host)
     return "\n".join(lines)

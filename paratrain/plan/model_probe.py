@@ -15,10 +15,12 @@ and storages, no memory, no arithmetic), and one forward and one backward of one
   leaves alive for the backward, the activation part of the peak at the end of the forward.
   Under activation checkpointing (components/activation_checkpointing.py, reused here as training uses it)
   the checkpointed modules save their inputs only (torch.utils.checkpoint saves them through the
-  same hooks), and the rest of the model saves what it always does. Under autocast
-  (precision "bf16"/"fp16") with fp32 parameters, the low-precision weight copies the matmuls
-  save are counted too: new storages that live until backward, about 2 bytes per parameter
-  (llama-2-70b: 128 GiB). With `param_dtype` the parameters are in that dtype: nothing is copied.
+  same hooks), and the rest of the model saves what it always does.
+- Weight copies: under autocast (precision "bf16"/"fp16") with fp32 parameters, each weight a
+  matmul uses is cast to the low precision once (autocast caches the cast), about 2 bytes per
+  parameter (llama-2-70b: 128 GiB). They are counted apart from the activations, which grow
+  with the batch: how long a rank holds them, and of which weights, depends on its strategy
+  (memory.py). With `param_dtype` the parameters are in that dtype: nothing is copied.
 - Transient bytes: the most bytes the forward and backward hold at once beyond the model's
   parameters, buffers and the parameters' gradients: saved activations, their gradients and every
   temporary, from the lifetime of each storage an op makes (fake_step.Lifetimes, a TorchDispatchMode:
@@ -82,6 +84,8 @@ class StepCount:
     traffic: Traffic = Traffic()  # bytes the other ops read and write (plan/matmuls.py)
     attention_kv_bytes: int = 0  # the keys and values of every attention call in forward, whole batch
     attention_calls: int = 0  # F.scaled_dot_product_attention calls in forward
+    weight_copy_bytes: int = 0  # autocast's low-precision copies of the weights, one each (not in
+    # activation_bytes nor transient_bytes: memory.py counts them per rank, by the weights it holds)
 
     @property
     def activation_peak_bytes(self) -> int:
@@ -186,7 +190,8 @@ def _count(source: ModelSource, model: nn.Module, *, stack: Stack | None, blocks
                      block_flops=extend_blocks(two.block_flops, stack), lead_flops=two.lead_flops,
                      lead_activation_bytes=two.lead_activation_bytes, checkpointed=checkpointed, extended=True,
                      attention_kv_bytes=extend(one.attention_kv_bytes, two.attention_kv_bytes, stack),
-                     attention_calls=extend(one.attention_calls, two.attention_calls, stack))
+                     attention_calls=extend(one.attention_calls, two.attention_calls, stack),
+                     weight_copy_bytes=extend(one.weight_copy_bytes, two.weight_copy_bytes, stack))
 
 
 def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | None, precision: str = "32",
@@ -205,7 +210,7 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ref = StorageWeakRef(t.untyped_storage())
-        if ref not in state and ref not in saved:
+        if ref not in state and ref not in saved and ref not in lifetimes.copy_storages:
             saved[ref] = t.untyped_storage().nbytes()
             regions.save(saved[ref])
         return t
@@ -236,7 +241,8 @@ def count_step(source: ModelSource, model: nn.Module, *, batch: int, seq: int | 
                         activation_bytes=sum(saved.values()), block_activation_bytes=regions.saved,
                         block_output_bytes=regions.outputs, block_flops=regions.flops, lead_flops=regions.lead_flops,
                         lead_activation_bytes=regions.lead_saved, checkpointed=checkpointed, transient_bytes=transient,
-                        attention_kv_bytes=kv_bytes, attention_calls=calls)
+                        attention_kv_bytes=kv_bytes, attention_calls=calls,
+                        weight_copy_bytes=sum(lifetimes.copies.values()))
     return counted, _recorded(forward_work, backward_work)
 
 

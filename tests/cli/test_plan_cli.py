@@ -68,7 +68,7 @@ def test_the_model_facts_print_and_the_json_follows_the_schema(capsys):
     assert set(model["step"]) == {  # each documented in plan_cli's docstring
         "flops_forward", "flops_backward", "activation_bytes", "transient_bytes", "block_activation_bytes",
         "block_output_bytes", "block_flops", "lead_flops", "lead_activation_bytes", "extended", "matmuls",
-        "traffic", "checkpointed", "attention_kv_bytes", "attention_calls"}
+        "traffic", "checkpointed", "attention_kv_bytes", "attention_calls", "weight_copy_bytes"}
     assert [tuple(shape[:5]) for shape, _ in model["step"]["matmuls"]] == \
         [tuple(shape[:5]) for shape, _ in facts.step.matmuls]
     assert model["step"]["traffic"] == list(facts.step.traffic) and len(model["step"]["traffic"]) == 4

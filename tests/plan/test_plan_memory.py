@@ -14,9 +14,13 @@ import time
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import paratrain as pt
 from paratrain.plan.memory import RankMemory, predict
+from paratrain.plan.model_probe import model_facts
+from paratrain.plan.model_source import ModelSource
 from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
 from paratrain.testing import run_on_ranks
 from tests.support.models import (
@@ -249,3 +253,88 @@ def test_tensor_parallel_prediction_equals_the_bytes_each_rank_holds():
             assert got["unaccounted"] == 0, where
             assert (got["params"], got["optimizer"], got["rest"]) == (want.params, want.optimizer, want.grads), \
                 (where, got, want)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width, bias=False), nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+def _blocks() -> nn.Sequential:
+    return nn.Sequential(*(_Block() for _ in range(4)))
+
+
+BLOCKS = pt.WrapPolicy(module_classes=(_Block,))
+COPIED = {"ddp": pt.DDP(), "zero1": pt.ZeRO(stage=1), "zero2": pt.ZeRO(stage=2),
+          "zero3": pt.ZeRO(stage=3, wrap_policy=BLOCKS),
+          "zero3-bf16": pt.ZeRO(stage=3, wrap_policy=BLOCKS, param_dtype=torch.bfloat16),
+          "pipeline": pt.Pipeline(stages=2, microbatches=2)}
+
+
+class _Copies(TorchDispatchMode):
+    """The most bytes alive at once of casts to bf16 of the weights (the 32 × 32 leaves that need a
+    gradient; a pipeline stage's received activations are leaves too, of the batch's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive: dict[StorageWeakRef, int] = {}
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.alive = {ref: n for ref, n in self.alive.items() if not ref.expired()}
+        if func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16 \
+                and args[0].is_leaf and args[0].requires_grad and args[0].shape == (32, 32):
+            self.alive[StorageWeakRef(out.untyped_storage())] = out.untyped_storage().nbytes()
+        self.most = max(self.most, sum(self.alive.values()))
+        return out
+
+
+def _copies_held(topo) -> dict[tuple[str, bool], int]:
+    out = {}
+    for checkpointed in (False, True):
+        for name, strategy in COPIED.items():
+            torch.manual_seed(0)
+            model = _blocks()
+            if checkpointed:
+                pt.checkpoint_activations(model, _Block)
+            wrapped, _ = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy.grid(topo))
+            copies = _Copies()
+            with copies, torch.autocast("cpu", dtype=torch.bfloat16):  # as Session's spans forward_backward
+                wrapped.forward_backward(torch.randn(6, 32), torch.randn(6, 32), mse_in_output_dtype, 1.0)
+            out[name, checkpointed] = copies.most
+    return out
+
+
+def test_autocasts_weight_copies_are_what_each_rank_holds_through_a_bf16_step():
+    """fp32 parameters under bf16 autocast: each rank holds a bf16 copy of every weight it computes
+    with (autocast caches them) through the backward, checkpointed or not, a pipeline stage of its
+    own; ZeRO-3's gathered weights are views, which autocast does not cache: the copies are what
+    the matmuls save, all but the first's (its input needs no gradient) and, checkpointed, one
+    unit's at a time; none with param_dtype bf16."""
+    measured = run_on_ranks(_copies_held, 2, timeout=120)
+    built = ModelSource(name="blocks", build=lambda: _meta(_blocks))
+    for checkpointed in (False, True):
+        facts = model_facts(built, 6, precision="bf16", activation_checkpointing=_Block if checkpointed else None)
+        step = facts.checkpointed if checkpointed else facts.step
+        assert step.weight_copy_bytes == 2 * 8 * 32 * 32
+        for name, strategy in COPIED.items():
+            for rank, held in enumerate(measured):
+                want = predict(_meta(_blocks), strategy, world=2, step=step)[rank].weight_copies
+                got = held[name, checkpointed]
+                where = (name, checkpointed, rank, got, want)
+                if name == "zero3" and not checkpointed:
+                    assert want - got == 2 * 32 * 32, where
+                else:
+                    assert got == want, where
+    assert measured[0]["zero3", True] == 2 * 2 * 32 * 32 and measured[0]["zero3-bf16", False] == 0
+    assert measured[0]["pipeline", False] == measured[0]["ddp", False] // 2 > 0
+
+
+def _meta(make):
+    with torch.device("meta"):
+        return make()

@@ -112,13 +112,29 @@ def test_linear_stack_activation_bytes_are_its_inputs_and_tanh_outputs():
     assert facts.step.activation_bytes == 4 * (B * 8 + 2 * B * 16)
 
 
-def test_under_bf16_autocast_the_saved_bytes_are_halved_and_the_weight_copies_are_counted():
-    """Autocast saves bf16 copies: the input cast (B·in), the tanh outputs (bf16 already), and the
-    cast weight (in·out, a new storage, not the parameter) of each Linear but the first: a weight
-    is saved for its input's gradient, which the first Linear's input does not need. 2 bytes each."""
-    facts = model_facts(source(Stack), B, precision="bf16", activation_checkpointing=None)
-    weights = 16 * 16 + 16 * 4
-    assert facts.step.activation_bytes == 2 * (B * 8 + 2 * B * 16 + weights)
+def test_under_bf16_autocast_the_saved_bytes_are_halved_and_the_weight_copies_are_counted_apart():
+    """Autocast saves bf16 copies: the input cast (B·in) and the tanh outputs (bf16 already), 2
+    bytes each. It casts every weight and bias a Linear uses, once (its cache): those copies are
+    counted apart, whatever the batch and whether or not checkpointed backward casts again, and
+    neither the saved nor the transient bytes hold them."""
+    params = 8 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4
+    for batch in (B, 2 * B):
+        bf16 = model_facts(source(Stack), batch, precision="bf16", activation_checkpointing=nn.Linear)
+        fp32 = model_facts(source(Stack), batch, activation_checkpointing=nn.Linear)
+        assert bf16.step.activation_bytes == 2 * (batch * 8 + 2 * batch * 16)
+        assert bf16.step.weight_copy_bytes == bf16.checkpointed.weight_copy_bytes == 2 * params
+        assert fp32.step.weight_copy_bytes == 0
+
+
+def test_the_weight_copies_are_not_in_the_transient_bytes():
+    """Frozen weights far larger than the activations: backward makes no weight gradient, so what
+    it holds at once is activations and their gradients, a small part of the copies."""
+    def frozen():
+        model = Stack(sizes=(8, 256, 256, 4), input_grad=True)
+        return model.requires_grad_(False)
+    facts = model_facts(source(frozen), B, precision="bf16", activation_checkpointing=None)
+    assert facts.step.weight_copy_bytes == 2 * sum(p.numel() for p in frozen().parameters())
+    assert 0 < facts.step.transient_bytes < facts.step.weight_copy_bytes / 10
 
 
 class Attention(nn.Module):
