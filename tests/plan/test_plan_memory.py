@@ -338,3 +338,18 @@ def test_autocasts_weight_copies_are_what_each_rank_holds_through_a_bf16_step():
 def _meta(make):
     with torch.device("meta"):
         return make()
+
+
+def test_a_llama_preset_plans_as_a_pipeline_whose_stages_hold_the_model():
+    """transformers' Llama has a built-in cut (pipeline/adapters.py): the planner lays out its
+    stages, which hold every parameter once, the token embedding on the first and the head on the
+    last, and no stage the whole model."""
+    from paratrain.plan.model_source import resolve
+
+    model = resolve("llama-2-7b").build()
+    stages = predict(model, pt.Pipeline(stages=4, microbatches=4), world=4)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(stage.params for stage in stages) == total
+    embedding = model.model.embed_tokens.weight.numel() * 4
+    assert stages[0].params > stages[1].params + embedding * 0.99 and stages[3].params > stages[1].params
+    assert max(stage.params for stage in stages) < total / 2

@@ -1,6 +1,6 @@
 """Which cut a model gets (`cut_for`), and cuts for known models that do not define pipeline_embed /
-pipeline_head themselves (cut.py, [Note: cutting a model by names]): transformers' GPT-2 and
-torchtitan's decoders. Each is the model's own forward, split where its blocks begin and end;
+pipeline_head themselves (cut.py, [Note: cutting a model by names]): transformers' GPT-2, its
+Llama-shaped decoders (Llama, Mistral, Qwen2) and torchtitan's decoders. Each is the model's own forward, split where its blocks begin and end;
 tests/parallel/pipeline/test_pipeline_cut.py and tests/test_torchtitan.py check them against the
 model's forward."""
 
@@ -47,6 +47,37 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 GPT2_CUT = Cut("transformer.h", embed=_gpt2_embed, head=_gpt2_head, block=_gpt2_block, loss=causal_lm_loss)
 
 
+# transformers' LlamaModel.forward (and Mistral's, Qwen2's): embed_tokens → position_ids 0 … T-1 →
+# `rotary_emb(h, position_ids)`, the (cos, sin) every layer takes → each layer → norm; the
+# causal mask is None under sdpa and flash attention, whose kernels are causal by themselves
+def _llama_embed(model: nn.Module, inputs: Any) -> torch.Tensor:
+    input_ids = inputs["input_ids"] if isinstance(inputs, Mapping) else inputs
+    return model.model.embed_tokens(input_ids)  # (B, T) → (B, T, C)
+
+
+def _llama_block_args(model: nn.Module, hidden: torch.Tensor) -> tuple:
+    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    mask = None
+    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":  # it adds the mask it is given
+        mask = torch.full((hidden.shape[1],) * 2, torch.finfo(hidden.dtype).min, device=hidden.device,
+                          dtype=hidden.dtype).triu(1)[None, None]
+    return model.model.rotary_emb(hidden, positions), positions, mask
+
+
+def _llama_block(block: nn.Module, hidden: torch.Tensor, rotary: tuple, positions: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+    out = block(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+    return out[0] if isinstance(out, tuple) else out  # a tuple before transformers 4.54
+
+
+def _llama_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(model.model.norm(hidden))  # logits (B, T, vocab)
+
+
+LLAMA_CUT = Cut("model.layers", embed=_llama_embed, head=_llama_head, block=_llama_block,
+                block_args=_llama_block_args, every=("model.rotary_emb",), loss=causal_lm_loss)
+
+
 # torchtitan's decoders (models/llama3/model/model.py and its siblings): `Transformer.forward` is
 # tok_embeddings → `layer(h, self.freqs_cis, ...)` for each of the ModuleDict `layers` → norm,
 # output; the rotary table is a buffer of the root, which every stage keeps
@@ -88,7 +119,8 @@ def known_cut(model: nn.Module) -> Cut | None:
     """The built-in cut for `model`'s class, or None."""
     if _is_torchtitan_decoder(model):
         return TORCHTITAN_CUT
-    known: dict[str, Any] = {"GPT2LMHeadModel": GPT2_CUT}
+    known: dict[str, Any] = {"GPT2LMHeadModel": GPT2_CUT, "LlamaForCausalLM": LLAMA_CUT,
+                             "MistralForCausalLM": LLAMA_CUT, "Qwen2ForCausalLM": LLAMA_CUT}
     return known.get(type(model).__name__)
 
 

@@ -28,8 +28,10 @@ A `Cut` names the blocks and those three steps. A model may define `pipeline_emb
 adapters.py. Which parts are "before" and "after": walking the path to the blocks, the children
 registered before each step of the path belong to the first stage, those after it to the last
 (GPT-2: transformer.{wte, wpe, drop} | transformer.h | transformer.ln_f, lm_head), parameters
-registered directly on the path to the first; `first=` / `last=` name others. Buffers of the
-modules on the path stay on every stage (a causal mask). A parameter kept by two stages (the
+registered directly on the path to the first; `first=` / `last=` name others, and `every=`
+parts that all stages keep (transformers' Llama registers its rotary embedding after its
+layers, and each stage's blocks need it). Buffers of the modules on the path stay on every
+stage (a causal mask). A parameter kept by two stages (the
 token embedding tied to the head) is a weight tied across stages: each keeps a copy, and
 stage.py sums their gradients over the stages holding it.
 """
@@ -63,6 +65,8 @@ class Cut:
     block_args: Callable[[nn.Module, Any], tuple] | None = None
     first: tuple[str, ...] = ()  # more parts (dotted names) only the first stage keeps
     last: tuple[str, ...] = ()  # more parts only the last stage keeps
+    every: tuple[str, ...] = ()  # parts before or after the blocks that every stage keeps, for
+    # its block_args (transformers' Llama: the rotary embedding, registered after its layers)
     loss: Callable[[Any, Any], Any] | None = None  # (head's outputs, targets) → the model's own loss
 
 
@@ -135,8 +139,9 @@ def parts(model: nn.Module, cut: Cut) -> tuple[list[tuple[nn.Module, str, str]],
         before += [(node, n, "param") for n, p in node._parameters.items() if p is not None]
         node = node._modules[step]
     forced_first, forced_last = [_entry(model, n) for n in cut.first], [_entry(model, n) for n in cut.last]
-    before = [e for e in before if e not in forced_last] + forced_first
-    after = [e for e in after if e not in forced_first] + forced_last
+    everywhere = [_entry(model, n) for n in cut.every]
+    before = [e for e in before if e not in forced_last and e not in everywhere] + forced_first
+    after = [e for e in after if e not in forced_first and e not in everywhere] + forced_last
     return before, after
 
 

@@ -1,6 +1,8 @@
 """Pipelines of models that are not an nn.Sequential: cut at named blocks, weights tied across
-stages, activations that are tuples, transformers' GPT-2; each equal to one process."""
+stages, activations that are tuples, transformers' GPT-2 and Llama-shaped decoders; each equal
+to one process."""
 
+import functools
 import importlib.util
 import os
 
@@ -201,6 +203,46 @@ def test_transformers_gpt2_trains_on_stages(world, schedule):
     expected = {k.removeprefix("model."): v for k, v in _reference(_Logits, token_batches(), next_token_loss).items()}
     strategy = Pipeline(stages=2, schedule=schedule, virtual=VIRTUAL.get(schedule, 1))
     for state in run_on_ranks(_train, world, _gpt2, token_batches(), next_token_loss, strategy, timeout=300):
+        assert max_param_diff({k: state[k] for k in expected}, expected) < 1e-6
+
+
+def _decoder(kind: str, attention: str):
+    """A small transformers decoder of the Llama shape: rotary positions, RMSNorm, gated MLP, its
+    head tied to the token embedding (Llama's is not by default: both ways run)."""
+    import transformers
+
+    config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                                 "mistral": ("MistralConfig", "MistralForCausalLM"),
+                                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(
+        vocab_size=11, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=8, tie_word_embeddings=kind == "qwen2",
+        attn_implementation=attention)
+    return getattr(transformers, model_class)(config)
+
+
+class _DecoderLogits(nn.Module):
+    def __init__(self, kind, attention):
+        super().__init__()
+        self.model = _decoder(kind, attention)
+
+    def forward(self, x):
+        return self.model(x).logits
+
+
+@pytest.mark.parametrize("kind,attention,world,schedule", [
+    ("llama", "sdpa", 2, "1f1b"), ("llama", "eager", 2, "gpipe"), ("llama", "sdpa", 4, "1f1b"),
+    ("mistral", "sdpa", 2, "zb-h1"), ("qwen2", "sdpa", 2, "1f1b")])
+def test_transformers_llama_shaped_decoders_train_on_stages(kind, attention, world, schedule):
+    """Each stage computes the rotary table for its own blocks (the rotary embedding, registered
+    after the layers, stays on every stage); eager attention gets its causal mask, sdpa none."""
+    pytest.importorskip("transformers")
+    expected = {k.removeprefix("model."): v
+                for k, v in _reference(lambda: _DecoderLogits(kind, attention), token_batches(), next_token_loss).items()}
+    strategy = Pipeline(stages=world, schedule=schedule)
+    make = functools.partial(_decoder, kind, attention)
+    for state in run_on_ranks(_train, world, make, token_batches(), next_token_loss, strategy, timeout=300):
         assert max_param_diff({k: state[k] for k in expected}, expected) < 1e-6
 
 
