@@ -4,6 +4,8 @@ why: debug/verify.py, which holds what each rank records)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -148,6 +150,8 @@ def add_verify_parser(commands) -> None:
                         "fp32, 3e-2 for bf16/fp16)")
     verify.add_argument("--atol", type=float, help="absolute tolerance (default by precision)")
     verify.add_argument("--timeout", type=float, default=600, help="seconds each run may take (default: 600)")
+    verify.add_argument("--reference", metavar="DIR", help="keep the one-process run in DIR and reuse it on later "
+                        "calls with the same script (its bytes), arguments and --steps; else it runs each time")
     verify.add_argument("target", metavar="script.py", help="the training script, unchanged")
     rest = verify.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     rest.required = False
@@ -161,7 +165,7 @@ def verify(args: argparse.Namespace) -> int:
     strategies = [None if s == SCRIPT else s for s in args.strategy.split(",")] if args.strategy else [None]
     work = Path(tempfile.mkdtemp(prefix="paratrain-verify-"))
     try:
-        reference = _run(args, work / "reference", 1, "single")
+        reference = _reference(args, work)
         failed = False
         for strategy in strategies:
             candidate = _run(args, work / (strategy or "candidate"), args.nproc_per_node, strategy)
@@ -176,6 +180,44 @@ def verify(args: argparse.Namespace) -> int:
         return 1 if failed else 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+REFERENCE = "reference.json"  # in --reference's DIR: what the run there was of
+
+
+def _reference(args: argparse.Namespace, work: Path) -> dict[int, dict]:
+    """The one-process run: made in `work`, or with --reference in its DIR, reused from there when
+    it was of the same script bytes, arguments and steps."""
+    if args.reference is None:
+        return _run(args, work / "reference", 1, "single")
+    directory = Path(args.reference)
+    what = {"script": str(Path(args.target).resolve()), "sha256": _sha256(args.target), "args": list(args.args),
+            "steps": args.steps}
+    note = directory / REFERENCE
+    if note.exists():
+        if json.loads(note.read_text()) == what:
+            print(f"paratrain verify: the reference run (1 process, single) is the one in {directory}", flush=True)
+            return read_run(directory)
+        print(f"paratrain verify: {directory} holds the reference run of another script, arguments or --steps; "
+              "running it again", flush=True)
+        shutil.rmtree(directory)
+    elif directory.exists() and any(directory.iterdir()):
+        raise ConfigError(f"--reference {directory} holds files that are not a reference run (no {REFERENCE}): "
+                          "name an empty or new directory")
+    try:
+        run = _run(args, directory, 1, "single")
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)  # what a failed run left is no reference
+        raise
+    note.write_text(json.dumps(what))
+    return run
+
+
+def _sha256(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:  # `paratrain run` will say what is wrong with it
+        return ""
 
 
 def _run(args: argparse.Namespace, directory: Path, n: int, strategy: str | None) -> dict[int, dict]:
