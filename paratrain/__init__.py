@@ -40,6 +40,7 @@ from paratrain.parallel.single import Single
 from paratrain.parallel.tensor import ColwiseLinear, Mesh, RowwiseLinear, VocabEmbedding
 from paratrain.parallel.zero import WrapPolicy, ZeRO, shard
 from paratrain.session.autolog import Logging
+from paratrain.session.hooks import StepHook
 from paratrain.session.session import Session
 from paratrain.session.watch import StepWarning, StepWarnings
 
@@ -57,6 +58,6 @@ __all__ = [
     "GradScaler", "MetricsLogger", "Logging", "StepWarning", "StepWarnings", "UnevenBatchWarning",
     "checkpoint_activations",
     "materialize", "load_weights", "install_flight_recorder",
-    "Session", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
+    "Session", "StepHook", "Strategy", "ParallelModule", "Single", "Cut", "DP", "DDP", "Hierarchical", "ZeRO", "ModelParallel", "Pipeline",
     "Mesh", "positions", "testing",
 ]

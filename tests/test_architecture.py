@@ -25,7 +25,7 @@ LAYERS = [
     {"parallel.*"},                          # the strategies, each in its own file or folder
     {"parallel.registry"},                   # strategy names -> the objects above
     {"checkpoint.*", "debug.verify", "session.*"},
-    {"session.facts", "session.session", "session"},
+    {"session.session", "session"},
     {"plan.*"},                              # the planner reads the strategies' layout code
     {"plan.calibrate",                       # starts ranks with testing.run_on_ranks
      "launch.run", "launch.rank", "cli.*", "testing", "__init__", "__main__"},

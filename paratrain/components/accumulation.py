@@ -12,7 +12,7 @@ parallel/context/model.py), and every rank of a tensor-parallel group passes the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -55,23 +55,22 @@ class TokenWeights:
 
 
 class MicroBatch:
-    """The context of one micro-batch (Session.accumulation). On an error inside it, the session
-    forgets the micro-batch (its token weight and its loss), so that a loop may catch the error
-    and go on with the next batch. A class, not a generator: it is entered once per micro-batch."""
+    """The context of one micro-batch (Session.accumulation). On an error inside it, the window's
+    token weights and losses forget the micro-batch, and `abandoned()` tells the session, so that
+    a loop may catch the error and go on with the next batch. A class, not a generator: it is
+    entered once per micro-batch."""
 
-    __slots__ = ("session", "last", "weights", "losses")
+    __slots__ = ("last", "weights", "losses", "abandoned", "_weights", "_losses")
 
-    def __init__(self, session: Any, last: bool):
-        weights = session._weights
-        self.session, self.last = session, last
-        self.weights, self.losses = (weights.total, weights.weighted, weights.plain), len(session._losses.items)
+    def __init__(self, last: bool, weights: TokenWeights, losses: Any, abandoned: Callable[[], None]):
+        self.last, self.weights, self.losses, self.abandoned = last, weights, losses, abandoned
+        self._weights, self._losses = (weights.total, weights.weighted, weights.plain), len(losses.items)
 
     def __enter__(self) -> bool:
         return self.last
 
     def __exit__(self, kind: Any, *_: Any) -> None:
         if kind is not None:
-            session, weights = self.session, self.session._weights
-            session._in_micro_batch = False
-            weights.total, weights.weighted, weights.plain = self.weights
-            del session._losses.items[self.losses:]
+            self.abandoned()
+            self.weights.total, self.weights.weighted, self.weights.plain = self._weights
+            del self.losses.items[self._losses:]

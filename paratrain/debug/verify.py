@@ -84,14 +84,15 @@ class StepRecorder:
         """The strategy this run uses: the one `paratrain verify` names, else the script's."""
         return (env.get(STRATEGY) if env.get(DIR) else None) or given
 
+    # a step hook (session/hooks.py): the first of a session's
     @staticmethod
-    def prepare(model: nn.Module) -> None:
+    def on_setup(model: nn.Module) -> None:
         """Dropout off: one process cannot draw the masks N processes draw."""
         for module in model.modules():
             if isinstance(module, nn.modules.dropout._DropoutNd):
                 module.p = 0.0
 
-    def loss(self, loss: torch.Tensor, weight: float | torch.Tensor | None = None) -> None:
+    def on_loss(self, loss: torch.Tensor, weight: float | torch.Tensor | None = None) -> None:
         self._losses.append((float(loss.float().mean()), None if weight is None else float(weight)))
 
     @torch.no_grad()
@@ -101,18 +102,20 @@ class StepRecorder:
             _inject(model, self.inject)
         self._grads = _pieces(model, grads=True)
 
-    @torch.no_grad()
-    def after_step(self, model: nn.Module, precision: str) -> bool:
-        """Record the step; True once the last one is written (the run should stop)."""
-        self.records.append(dict(**_step_loss(self._losses), grads=self._grads, params=_pieces(model, grads=False)))
+    def after_step(self, session: Any, result: Any) -> None:
+        """Record the step; once the last is written, end the run: the steps asked for are here."""
+        model = session.model
+        with torch.no_grad():
+            self.records.append(dict(**_step_loss(self._losses), grads=self._grads, params=_pieces(model, grads=False)))
         self._losses, self._grads = [], {}
         if len(self.records) < self.steps:
-            return False
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
         order = list(reversed(layout_of(model).shapes))  # backward order
-        torch.save(dict(rank=self.rank, precision=precision, order=order, steps=self.records),
+        torch.save(dict(rank=self.rank, precision=session.precision, order=order, steps=self.records),
                    self.directory / f"rank{self.rank}.pt")
-        return True
+        session.close()
+        raise SystemExit(0)
 
 
 def _step_loss(losses: list[tuple[float, float | None]]) -> dict:

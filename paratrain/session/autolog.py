@@ -57,8 +57,8 @@ class StepMeter:
         self.samples = self.tokens = self.steps = 0
         self.since: float | None = None  # the first micro-batch starts the clock, not Session()
 
-    def count(self, inputs: Any) -> None:
-        """One micro-batch of this rank's (train_step's)."""
+    def on_batch(self, inputs: Any) -> None:
+        """One micro-batch of this rank's (train_step's; a step hook, session/hooks.py)."""
         if self.since is None:
             self.since = time.perf_counter()
         self.samples += batch_len(inputs)

@@ -64,16 +64,15 @@ class Preemption:
         worker.note_preempted(str(path))  # so that `paratrain run` exits 0 as well
         raise SystemExit(0)
 
+    def after_step(self, session: "Session", result: Any) -> None:
+        """Every optimizer step (a step hook, session/hooks.py: the last a session calls): stop
+        here, on every rank, if any rank was told to."""
+        signum = self.agreed()
+        if signum:
+            self.checkpoint_and_exit(session, signum)
+
     def restore(self) -> None:
         """Put back the handlers that were there before."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-
-def after_optimizer_step(session: "Session", preemption: Preemption | None) -> None:
-    """Every optimizer step: stop here, on every rank, if any rank was told to."""
-    if preemption is not None:
-        signum = preemption.agreed()
-        if signum:
-            preemption.checkpoint_and_exit(session, signum)

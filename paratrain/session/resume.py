@@ -22,14 +22,12 @@ as it was at the window's start — epoch, micro-step, data position and RNG sta
 every optimizer step when accumulate > 1 — and a resumed run trains that window again from its
 first micro-batch, exactly as the uninterrupted run did.
 
-`SessionCheckpoints` holds the Session's checkpoint methods (the Session class inherits them).
+The Session's checkpoint methods (session.py) call the functions here.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,96 +36,15 @@ import torch
 import torch.distributed as dist
 
 from paratrain import checkpoint
-from paratrain.checkpoint import files as checkpoint_files
-from paratrain.checkpoint.export import export_model
 from paratrain.checkpoint.layout import layout_of
 from paratrain.checkpoint.random_state import rng_state, rng_tensors, set_rng_state
 from paratrain.data.loader import ShardedLoader
-from paratrain.debug.flight_recorder import within
 from paratrain.distributed.comm import group_device
 from paratrain.errors import CheckpointError, ConfigError, UsageError
 from paratrain.parallel.base import ParallelModule
 
 if TYPE_CHECKING:
     from paratrain.session.session import Session
-
-
-class SessionCheckpoints:
-    """Save, load, keep and export a Session's state (mixed into `Session`)."""
-
-    def register(self: "Session", **objects: Any) -> None:
-        """Save these objects' `state_dict()` with every checkpoint and load it back, under their
-        names: `session.register(scheduler=scheduler)`. Anything with state_dict() and
-        load_state_dict() whose state is JSON: LR schedulers, counters of your own. An object
-        registered after a load or resume gets the state the checkpoint holds under its name."""
-        for name, obj in objects.items():
-            check_registrable(name, obj)
-        self.registered.update(objects)
-        for name, obj in objects.items():
-            if name in self.unclaimed:
-                obj.load_state_dict(self.unclaimed.pop(name))
-
-    @within("session.save")
-    def save(self: "Session", path: str | os.PathLike) -> Path:
-        """Save model, optimizer, epoch and micro-step, the sampler's position, registered objects
-        and every rank's RNG states to `path` (checkpoint/save_load.py: sharded, atomic). A collective:
-        every rank calls it."""
-        if self._on_device is not None:  # the last step's check, if still in flight (session/step.py)
-            self._on_device.raise_pending()
-        refuse_non_finite(self._require_model(), path)
-        state, rng = session_state(self)
-        return checkpoint.save(path, self._require_model(), self.optimizer, state=state, rng=rng)
-
-    @within("session.load")
-    def load(self: "Session", path: str | os.PathLike, *, weights_only: bool = False,
-             hyperparameters: str = "checkpoint") -> None:
-        """Load a checkpoint written by `save` under any strategy and world size; training then
-        continues exactly where it stopped (RNG states too, when the world size is the same).
-
-        weights_only: load the model's parameters and buffers only (fine-tuning from it, or
-            another optimizer): the optimizer, step, data position and RNG stay as they are.
-        hyperparameters: "checkpoint" (the default: learning rates and the like come back as they
-            were saved, so a schedule goes on where it stopped; a value that differs from yours is
-            named in a warning) or "current" (keep this optimizer's own)."""
-        if hyperparameters not in ("checkpoint", "current"):
-            raise ConfigError(f"hyperparameters must be 'checkpoint' or 'current'; got {hyperparameters!r}")
-        optimizer = None if weights_only else self.optimizer
-        if self._on_device is not None:  # a skipped step's error is not lost to a reload (session/step.py)
-            self._on_device.raise_pending()
-        if optimizer is not None:
-            path = Path(path)
-            marker = checkpoint_files.read_marker(path) if (path / checkpoint_files.MARKER).is_file() else {}
-            check_same_optimizer(self, path, marker, keep_current=hyperparameters == "current")
-            check_whole_window(self, path, marker)
-        loaded = checkpoint.load(path, self._require_model(), optimizer,
-                                 hyperparameters=hyperparameters == "checkpoint")
-        if not weights_only:
-            restore_session(self, loaded, path)
-
-    @within("session.checkpoint")
-    def checkpoint(self: "Session", root: str | os.PathLike, keep: int = 3) -> Path:
-        """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there (in
-        the order they were written). The first call locks `root` for this job until close()."""
-        checkpoint.lock_root(root, owner=self)
-        path = self.save(Path(root) / f"step-{self.micro_step // self.accumulate:08d}")
-        checkpoint.prune(root, keep)
-        return path
-
-    @within("session.resume")
-    def resume(self: "Session", root: str | os.PathLike, *, required: bool = False,
-               weights_only: bool = False, hyperparameters: str = "checkpoint") -> bool:
-        """Load the newest intact checkpoint under `root` (or `root` itself, when it is one); a
-        damaged one is skipped with a warning. Say whether one was loaded; `required=True` makes
-        finding none a ConfigError that says where it looked. The other arguments are load()'s."""
-        load = functools.partial(self.load, weights_only=weights_only, hyperparameters=hyperparameters)
-        return checkpoint.resume(root, load, required=required) is not None
-
-    @within("session.export")
-    def export(self: "Session", path: str | os.PathLike) -> Path | None:
-        """The whole model as one `.safetensors` file for inference, with the plain model's
-        state-dict keys, written by rank 0 as it gathers the model a piece at a time (a ZeRO-3
-        unit, a pipeline stage: checkpoint/export.py). A collective; returns the path on rank 0."""
-        return export_model(path, self._require_model())
 
 
 def check_registrable(name: str, obj: Any) -> None:

@@ -11,8 +11,8 @@ ever calls that protocol) and rebuilds the loader so that each data-parallel rep
 disjoint share of every epoch: the loader's `batch_size` is the *global* batch, so changing the
 number of processes does not change what one optimizer step sees. For loops that need more
 control, `train_step` is `with session.accumulation(): loss = …; session.backward(loss)` followed
-by `session.step()`. Checkpoint methods are in session/resume.py; progress() and the job's facts in
-session/facts.py.
+by `session.step()`. What runs around each step is a list of step hooks (session/hooks.py);
+what a checkpoint holds beyond the model and optimizer is session/resume.py's.
 """
 
 from __future__ import annotations
@@ -21,36 +21,58 @@ import contextlib
 import functools
 import os
 import warnings
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from paratrain import checkpoint
+from paratrain.checkpoint import files as checkpoint_files
+from paratrain.checkpoint.export import export_model
 from paratrain.components.accumulation import MicroBatch, TokenWeights
 from paratrain.components.activation_checkpointing import Which, checkpoint_activations
+from paratrain.components.contrastive import Gathered, gather_embeddings
 from paratrain.components.materialize import MetaInit, has_meta
 from paratrain.components.optim import Given, describe, retire_replaced
 from paratrain.components.precision import GradScaler, autocast_dtype, scaler_for
 from paratrain.data.batch import UnevenBatchWarning, label_shift, uneven_warning, unpack
-from paratrain.data.loader import to_device
+from paratrain.data.loader import shard_loader, to_device
 from paratrain.debug import flight_hooks
+from paratrain.debug.flight_recorder import within
 from paratrain.debug.verify import StepRecorder
 from paratrain.distributed.topology import Topology, destroy
 from paratrain.errors import ConfigError, UsageError
-from paratrain.parallel.base import ParallelModule, Strategy, backward_no_autocast, check_loss, scaled, uncompiled
+from paratrain.parallel.base import (
+    ParallelModule,
+    Strategy,
+    backward_no_autocast,
+    check_loss,
+    full_state_dict,
+    scaled,
+    uncompiled,
+)
 from paratrain.parallel.registry import resolve
 from paratrain.session.autolog import Logging, open_metrics
-from paratrain.session.facts import JobFacts
-from paratrain.session.preemption import Preemption, after_optimizer_step
-from paratrain.session.progress import batch_len
-from paratrain.session.resume import SessionCheckpoints, note_micro_step, position
+from paratrain.session.hooks import Hooks, StepHook
+from paratrain.session.preemption import SIGNALS, Preemption
+from paratrain.session.progress import batch_len, progress
+from paratrain.session.resume import (
+    check_registrable,
+    check_same_optimizer,
+    check_whole_window,
+    note_micro_step,
+    position,
+    refuse_non_finite,
+    restore_session,
+    session_state,
+)
 from paratrain.session.step import DeviceCheck, LossLog, optimizer_step
 from paratrain.session.watch import StepWarnings, StepWatch
 
 
-class Session(JobFacts, SessionCheckpoints):
+class Session:
     """Strategy, accumulation, clipping, progress and rank-0 printing for one training job.
 
     strategy: a name ("single", "dp", "ddp", "hierarchical", "zero1", "zero2", "zero3",
@@ -82,6 +104,8 @@ class Session(JobFacts, SessionCheckpoints):
         predicate fn(name, module); applied in setup, under every strategy (components/activation_checkpointing.py).
     step_warnings: when an fp16 step is skipped, the loss scale keeps halving or the gradient norm
         jumps: a rank-0 `StepWarning` and a metrics row (session/watch.py); None: silent.
+    hooks: `paratrain.StepHook`s called around each step (on_setup, on_batch, on_loss,
+        before_step, after_step: session/hooks.py), after the session's own and before preemption's.
     """
 
     def __init__(self, strategy: str | Strategy = "ddp", *, accumulate: int = 1,
@@ -90,7 +114,8 @@ class Session(JobFacts, SessionCheckpoints):
                  log_dir: str | os.PathLike | None = None, debug_collectives: bool | None = None,
                  precision: str = "32", grad_scaler: GradScaler | None = None,
                  checkpoint_on_preempt: str | os.PathLike | None = None, logging: Logging | None = None,
-                 activation_checkpointing: Which | None = None, step_warnings: StepWarnings | None = StepWarnings()):
+                 activation_checkpointing: Which | None = None, step_warnings: StepWarnings | None = StepWarnings(),
+                 hooks: list[StepHook] | tuple[StepHook, ...] = ()):
         if accumulate < 1:
             raise ConfigError(f"accumulate must be at least 1; got {accumulate}")
         flight_hooks.install()  # a job starts here: record its collectives (debug/flight_hooks.py)
@@ -125,7 +150,10 @@ class Session(JobFacts, SessionCheckpoints):
         self.preemption = Preemption(str(checkpoint_on_preempt)) if checkpoint_on_preempt else None
         self.activation_checkpointing = activation_checkpointing
         self.watch = StepWatch(step_warnings) if step_warnings is not None else None
-        self._verify = StepRecorder.from_env(self.rank)  # under `paratrain verify` only (debug/verify.py)
+        # what runs around each step, in order (session/hooks.py): `paratrain verify`'s recorder
+        # (under it only: debug/verify.py), the step warnings, the metric rows, the user's, and
+        # preemption, which may checkpoint and exit
+        self.hooks = Hooks([StepRecorder.from_env(self.rank), self.watch, self.meter, *hooks, self.preemption])
         torch.manual_seed(seed)
 
     # -- setup -----------------------------------------------------------------------------------
@@ -155,8 +183,7 @@ class Session(JobFacts, SessionCheckpoints):
             refuse_sync_batchnorm_off_gpu(uncompiled(model), self.device)
         self.given = describe(model, optimizer)
         self._label_shift = label_shift(uncompiled(model))  # what weight="tokens" counts (data/batch.py)
-        if self._verify is not None:
-            self._verify.prepare(model)
+        self.hooks.on_setup(model)
         if self.activation_checkpointing is not None:
             checkpoint_activations(uncompiled(model), self.activation_checkpointing)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.grid,
@@ -185,13 +212,11 @@ class Session(JobFacts, SessionCheckpoints):
         model = self._require_model()
         if not self._sizes_compared:
             self._compare_sizes(model, inputs, weight)
-        if self.meter is not None:
-            self.meter.count(inputs)
+        self.hooks.on_batch(inputs)
         with self.accumulation():
             loss = model.forward_backward(inputs, targets, loss_fn or model.default_loss, self._loss_factor(weight))
         self._check_finite(loss)  # a NaN loss (a pipeline's: the mean of its micro-batches') is named at the step
-        if self._verify is not None:
-            self._verify.loss(loss, weight)
+        self.hooks.on_loss(loss, weight)
         self.last_loss = loss
         self.step()
         return loss
@@ -216,15 +241,19 @@ class Session(JobFacts, SessionCheckpoints):
                              f"th call, accumulate={self.accumulate}), not once after several blocks")
         self._in_micro_batch = True
         last = (self.micro_step + 1) % self.accumulate == 0
+        micro_batch = MicroBatch(last, self._weights, self._losses, abandoned=self._abandon_micro_batch)
         if last and self.autocast_dtype is None:  # nothing to enter: the common case costs no generator
-            return MicroBatch(self, last)
-        return self._micro_batch(last)
+            return micro_batch
+        return self._micro_batch(micro_batch)
 
     @contextlib.contextmanager
-    def _micro_batch(self, last: bool) -> Iterator[bool]:
-        sync = contextlib.nullcontext() if last else self._require_model().no_sync()
-        with MicroBatch(self, last), sync, self.autocast():
-            yield last
+    def _micro_batch(self, micro_batch: MicroBatch) -> Iterator[bool]:
+        sync = contextlib.nullcontext() if micro_batch.last else self._require_model().no_sync()
+        with micro_batch, sync, self.autocast():
+            yield micro_batch.last
+
+    def _abandon_micro_batch(self) -> None:
+        self._in_micro_batch = False  # an error inside accumulation(): the loop may go on
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """`torch.autocast` in the session's precision on its device (nothing for "32").
@@ -248,8 +277,7 @@ class Session(JobFacts, SessionCheckpoints):
                 out.flatten(0, 1), y.flatten(), ignore_index=PAD), weight=mask.sum())"""
         self._check_finite(check_loss(loss))
         self.last_loss = loss.detach()  # the progress bar's and the automatic rows' loss
-        if self._verify is not None:
-            self._verify.loss(self.last_loss, weight)
+        self.hooks.on_loss(self.last_loss, weight)
         backward_no_autocast(scaled(loss, self._loss_factor(weight)))
 
     def _loss_factor(self, weight: float | torch.Tensor | None) -> float:
@@ -277,23 +305,173 @@ class Session(JobFacts, SessionCheckpoints):
         model = self._require_model()
         result = optimizer_step(model, self.optimizer, weights=self._weights, scaler=self.scaler,
                                 max_grad_norm=self.max_grad_norm, check_finite=self.nan_check, losses=self._losses,
-                                on_device=self._on_device,
-                                before_step=self._verify and functools.partial(self._verify.before_step, model))
-        if self._verify is not None and self._verify.after_step(model, self.precision):
-            self.close()  # the steps `paratrain verify` asked for are recorded: the run ends here
-            raise SystemExit(0)
+                                on_device=self._on_device, before_step=self.hooks.before_step(model))
         note_micro_step(self, optimizer_step=True)  # the loader's count, the step boundary (session/resume.py)
-        if self.watch is not None:
-            self.watch.after_step(self, result)  # skipped steps, a falling scale, norm jumps (session/watch.py)
-        if self.meter is not None:
-            self.meter.after_step(self, result)  # automatic metric rows (session/autolog.py)
-        after_optimizer_step(self, self.preemption)  # may checkpoint and exit (session/preemption.py)
+        self.hooks.after_step(self, result)  # may end the run (`paratrain verify`, preemption)
         return result.stepped
 
     def _check_finite(self, loss: torch.Tensor) -> torch.Tensor:
         if self.nan_check:  # read at the optimizer step, with the gradients: no wait per micro-batch
             self._losses.add(loss, self.micro_step, self.epoch)
         return loss
+
+    # -- the job and the model -------------------------------------------------------------------
+
+
+    rank = property(lambda self: self.topology.rank)  # global rank
+    world_size = property(lambda self: self.topology.world_size)
+    device = property(lambda self: self.topology.device)  # this rank's device
+    is_main = property(lambda self: self.topology.is_main)  # global rank 0
+
+    def to_device(self, batch: Any) -> Any:
+        """`batch` with every tensor moved to this rank's device."""
+        return to_device(batch, self.device)
+
+    def progress(self, loader: Iterable, desc: str | None = None) -> Iterator[Any]:
+        """Iterate `loader` once, with a progress bar on rank 0 showing the loss and global samples
+        per second. For the training loader setup() returned, a full pass is one epoch: its
+        sampler is reshuffled for `session.epoch`, which then advances (also when the loop
+        iterates that loader itself). Other loaders (validation) are iterated as they are."""
+        return progress(self, loader, desc)
+
+    def shard_loader(self, loader: DataLoader) -> DataLoader:
+        """The same loader, reading this replica's share: batch_size/replicas per step (data/loader.py).
+        Under Session(checkpoint_on_preempt=...) its workers leave the signals to the rank."""
+        model = self._require_model()
+        sharded = shard_loader(loader, replicas=model.replicas, index=model.replica_index, seed=self.seed,
+                               rank=self.rank, pin_memory=self.device.type == "cuda",
+                               ignored_signals=SIGNALS if self.preemption is not None else ())
+        model.check_loader(sharded)
+        return sharded
+
+    def end_epoch(self) -> None:
+        """A complete pass over the training loader ended (data/loader.py): the next reads the next epoch."""
+        if self._on_device is not None:  # the pass's last step, checked on the device (session/step.py)
+            self._on_device.raise_pending()
+        self.epoch += 1
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on global rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def unwrap(self, model: nn.Module | None = None) -> nn.Module:
+        """The user's own model inside the strategy's wrapper (for evaluation, export). Under
+        ZeRO stage 3 its parameters are gathered only inside the wrapper's forward: evaluate
+        through the wrapped model, or load `full_state_dict()` into a fresh copy."""
+        model = model or self._require_model()
+        return uncompiled(model.module if isinstance(model, ParallelModule) else model)
+
+    def gather_embeddings(self, x: torch.Tensor, scope: str = "world") -> Gathered:
+        """Every rank's rows of `x` ("world"), this node's ranks' ("node") or this rank's own
+        ("local"), differentiable: gradients go back to each row's rank. For contrastive losses
+        with negatives from every rank: `pt.nt_xent_loss(z1, z2, gather=session.gather_embeddings)`.
+        A collective: every rank calls it."""
+        groups = self.grid.node_groups() if scope == "node" else None  # built on first use
+        return gather_embeddings(x, scope=scope, groups=groups)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Parameters of the whole model given to setup() (tied weights once), whatever part of it
+        this rank holds: what model-size and MFU arithmetic needs, also under ZeRO-3 and pipelines."""
+        return self.given.trainable if trainable_only else self.given.parameters
+
+    @property
+    def rank_seed(self) -> int:
+        """A seed that differs between ranks, for code that must draw differently on each (its own
+        batch sampling); `Session(seed=...)` seeds torch alike on every rank."""
+        return self.seed * 100_003 + 1 + self.rank
+
+    @within("session.full_state_dict")
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict with its own keys, on every rank (a collective)."""
+        return full_state_dict(self._require_model())
+
+    def log(self, step: int | None = None, **metrics: Any) -> dict[str, float]:
+        """Average scalar `metrics` over ranks and append them as one row of `log_dir/metrics.csv`
+        on rank 0 (paratrain/components/metrics.py). `step` defaults to the optimizer steps taken. A
+        collective: every rank calls it with the same names. Returns the means."""
+        if self.metrics is None:
+            raise UsageError("log() writes to Session(log_dir=...), and this session has none; pass "
+                             "log_dir, or average without writing with paratrain.distributed.comm.mean_metrics")
+        step = self.micro_step // self.accumulate if step is None else step
+        return self.metrics.log(step, **metrics)
+
+    # -- checkpoints (what a session adds to one: session/resume.py) ----------------------------
+
+
+    def register(self, **objects: Any) -> None:
+        """Save these objects' `state_dict()` with every checkpoint and load it back, under their
+        names: `session.register(scheduler=scheduler)`. Anything with state_dict() and
+        load_state_dict() whose state is JSON: LR schedulers, counters of your own. An object
+        registered after a load or resume gets the state the checkpoint holds under its name."""
+        for name, obj in objects.items():
+            check_registrable(name, obj)
+        self.registered.update(objects)
+        for name, obj in objects.items():
+            if name in self.unclaimed:
+                obj.load_state_dict(self.unclaimed.pop(name))
+
+    @within("session.save")
+    def save(self, path: str | os.PathLike) -> Path:
+        """Save model, optimizer, epoch and micro-step, the sampler's position, registered objects
+        and every rank's RNG states to `path` (checkpoint/save_load.py: sharded, atomic). A collective:
+        every rank calls it."""
+        if self._on_device is not None:  # the last step's check, if still in flight (session/step.py)
+            self._on_device.raise_pending()
+        refuse_non_finite(self._require_model(), path)
+        state, rng = session_state(self)
+        return checkpoint.save(path, self._require_model(), self.optimizer, state=state, rng=rng)
+
+    @within("session.load")
+    def load(self, path: str | os.PathLike, *, weights_only: bool = False,
+             hyperparameters: str = "checkpoint") -> None:
+        """Load a checkpoint written by `save` under any strategy and world size; training then
+        continues exactly where it stopped (RNG states too, when the world size is the same).
+
+        weights_only: load the model's parameters and buffers only (fine-tuning from it, or
+            another optimizer): the optimizer, step, data position and RNG stay as they are.
+        hyperparameters: "checkpoint" (the default: learning rates and the like come back as they
+            were saved, so a schedule goes on where it stopped; a value that differs from yours is
+            named in a warning) or "current" (keep this optimizer's own)."""
+        if hyperparameters not in ("checkpoint", "current"):
+            raise ConfigError(f"hyperparameters must be 'checkpoint' or 'current'; got {hyperparameters!r}")
+        optimizer = None if weights_only else self.optimizer
+        if self._on_device is not None:  # a skipped step's error is not lost to a reload (session/step.py)
+            self._on_device.raise_pending()
+        if optimizer is not None:
+            path = Path(path)
+            marker = checkpoint_files.read_marker(path) if (path / checkpoint_files.MARKER).is_file() else {}
+            check_same_optimizer(self, path, marker, keep_current=hyperparameters == "current")
+            check_whole_window(self, path, marker)
+        loaded = checkpoint.load(path, self._require_model(), optimizer,
+                                 hyperparameters=hyperparameters == "checkpoint")
+        if not weights_only:
+            restore_session(self, loaded, path)
+
+    @within("session.checkpoint")
+    def checkpoint(self, root: str | os.PathLike, keep: int = 3) -> Path:
+        """Save to `root/step-<optimizer steps>` and keep the newest `keep` checkpoints there (in
+        the order they were written). The first call locks `root` for this job until close()."""
+        checkpoint.lock_root(root, owner=self)
+        path = self.save(Path(root) / f"step-{self.micro_step // self.accumulate:08d}")
+        checkpoint.prune(root, keep)
+        return path
+
+    @within("session.resume")
+    def resume(self, root: str | os.PathLike, *, required: bool = False,
+               weights_only: bool = False, hyperparameters: str = "checkpoint") -> bool:
+        """Load the newest intact checkpoint under `root` (or `root` itself, when it is one); a
+        damaged one is skipped with a warning. Say whether one was loaded; `required=True` makes
+        finding none a ConfigError that says where it looked. The other arguments are load()'s."""
+        load = functools.partial(self.load, weights_only=weights_only, hyperparameters=hyperparameters)
+        return checkpoint.resume(root, load, required=required) is not None
+
+    @within("session.export")
+    def export(self, path: str | os.PathLike) -> Path | None:
+        """The whole model as one `.safetensors` file for inference, with the plain model's
+        state-dict keys, written by rank 0 as it gathers the model a piece at a time (a ZeRO-3
+        unit, a pipeline stage: checkpoint/export.py). A collective; returns the path on rank 0."""
+        return export_model(path, self._require_model())
 
     # -- end ---------------------------------------------------------------------------------------
 
