@@ -65,13 +65,17 @@ def memory_rows(source: ModelSource, *, gpus: int, gpus_per_node: int | None, op
 
 
 def label(strategy: Strategy) -> str:
-    """The strategy's name in a table: a pipeline with its stages and micro-batches."""
+    """The strategy's name in a table: a pipeline with its stages and micro-batches, ZeRO with
+    its offload and its param_dtype ("zero3+bf16")."""
     if isinstance(strategy, Pipeline):
         return f"pipeline {strategy.stages}x{strategy.microbatches}"
     if isinstance(strategy, Mesh):
         dims = "".join(f"{d}{n} x " for d, n in (("tp", strategy.tp), ("cp", strategy.cp)) if n > 1)
         return f"{dims}{label(inner_strategy(strategy))}"
-    return strategy.name + ("+offload" if isinstance(strategy, ZeRO) and strategy.offload else "")
+    if not isinstance(strategy, ZeRO):
+        return strategy.name
+    dtype = {"torch.bfloat16": "+bf16", "torch.float16": "+fp16"}.get(str(strategy.param_dtype), "")
+    return strategy.name + ("+offload" if strategy.offload else "") + dtype
 
 
 def _figures(memory: RankMemory) -> dict:

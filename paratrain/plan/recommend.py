@@ -245,15 +245,21 @@ def session_line(strategy: Strategy, step: StepCount, precision: str = "32", acc
     elif isinstance(strategy, Mesh):
         dims = "".join(f"{d}={n}, " for d, n in (("tp", strategy.tp), ("cp", strategy.cp)) if n > 1)
         pp = f", pp={_pipeline_call(strategy.pp)}" if strategy.pp is not None else ""
-        name = f"pt.Mesh({dims}dp={strategy.data_parallel().name!r}{pp})"
-    elif isinstance(strategy, ZeRO) and strategy.offload:
-        name = f"pt.ZeRO(stage={strategy.stage}, offload=True)"
+        name = f"pt.Mesh({dims}dp={_call(strategy.data_parallel())}{pp})"
     else:
-        name = repr(strategy.name)
+        name = _call(strategy)
     ac = ", activation_checkpointing=\"auto\"" if step.checkpointed else ""
     precision = f", precision={precision!r}" if precision != "32" else ""
     accumulated = f", accumulate={accumulate}" if accumulate > 1 else ""
     return f"pt.Session({name}{precision}{accumulated}{ac})"
+
+
+def _call(strategy: Strategy) -> str:
+    """A data-parallel strategy as the Session line names it: its name, or ZeRO's settings."""
+    if isinstance(strategy, ZeRO) and (strategy.offload or strategy.param_dtype is not None):
+        dtype = f", param_dtype=torch.{str(strategy.param_dtype).removeprefix('torch.')}" if strategy.param_dtype else ""
+        return f"pt.ZeRO(stage={strategy.stage}{', offload=True' if strategy.offload else ''}{dtype})"
+    return repr(strategy.name)
 
 
 def _pipeline_call(strategy: Pipeline) -> str:

@@ -11,7 +11,10 @@ What is searched, for the global batch the command gives (recommend.py times eac
                     tp · cp leave; its replicas average as ddp does (Mesh's rule)
     virtual         1, or 2 chunks per rank (schedule "interleaved-1f1b") where the blocks divide
                     into pp · 2 and the micro-batches into pp
-    dp strategy     ddp, zero1, zero2, zero3 over the remaining dp ranks (ddp only with pp)
+    dp strategy     ddp, zero1, zero2, zero3 over the remaining dp ranks (ddp only with pp); under
+                    --precision bf16 or fp16, also ZeRO with param_dtype of that precision: its
+                    parameters held, gathered and reduced in it, so autocast copies no weight
+                    (memory.py's weight copies) and the collectives move half the bytes
     micro-batches   with a pipeline, micro-batches of 1, 2, 4 or 8 samples (m = a replica's batch
                     over that); without, gradient accumulation of 1, 2, 4 or 8 micro-batches
     checkpointing   none, and the probe's checkpointed count (--activation-checkpointing auto)
@@ -27,11 +30,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
+from paratrain.components.precision import autocast_dtype
 from paratrain.errors import ParatrainError
 from paratrain.parallel.base import Strategy
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.tensor import mesh
 from paratrain.parallel.tensor.mesh import Mesh
+from paratrain.parallel.zero import ZeRO
 from paratrain.plan.cluster import Cluster
 from paratrain.plan.layouts import reused
 from paratrain.plan.model_probe import ModelFacts
@@ -51,6 +56,7 @@ def candidates(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus
     stack = find_stack(source.shared)
     blocks = stack.length if stack is not None else 0
     seq = facts.seq or 0
+    low = autocast_dtype(facts.precision)  # ZeRO's param_dtype candidates, under autocast only
     cps = [c for c in WIDTHS if c == 1 or (facts.step.attention_calls and seq % (2 * c) == 0)]
     for tp, cp in itertools.product(WIDTHS, cps):
         if gpus % (tp * cp) or tp > per_node:
@@ -66,6 +72,8 @@ def candidates(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus
                 for dp, k in itertools.product(DATA_PARALLEL, SAMPLES):
                     if share % k == 0:
                         yield _mesh(tp, cp, dp), k
+                        if low is not None and dp != "ddp":
+                            yield _mesh(tp, cp, ZeRO(stage=int(dp[-1]), param_dtype=low)), k
                 continue
             for samples in SAMPLES:
                 if share % samples:
@@ -77,9 +85,9 @@ def candidates(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus
                                                             schedule="interleaved-1f1b")), 1
 
 
-def _mesh(tp: int, cp: int, dp: str) -> Strategy:
+def _mesh(tp: int, cp: int, dp: str | Strategy) -> Strategy:
     if tp == 1 and cp == 1:  # the plain strategy: what its row and Session line name
-        return mesh.DATA_PARALLEL[dp]()
+        return dp if isinstance(dp, Strategy) else mesh.DATA_PARALLEL[dp]()
     return Mesh(tp=tp, cp=cp, dp=dp)
 
 

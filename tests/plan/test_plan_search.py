@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 
 import pytest
+import torch
 
 import paratrain as pt
 from paratrain.errors import ParatrainError
@@ -96,3 +97,24 @@ def test_reused_layouts_are_made_once_per_model_strategy_and_world(gpt):
         assert layouts.trainable(model) is layouts.trainable(model)
     assert layouts.zero3_flats(model, pt.ZeRO(stage=3), {p: 0 for p in held}) is not first  # made again
     assert layouts.zero3_flats(model, pt.ZeRO(stage=3), {p: 0 for p in held}) == first
+
+
+def test_under_bf16_the_search_tries_zero_with_param_dtype_whose_weights_are_not_copied(gpt):
+    """Under autocast, ZeRO at every stage also with param_dtype bf16 (with and without tp): no
+    weight copies, and a Session line that builds that strategy; in fp32 no such candidate."""
+    source, facts, cluster = gpt
+    lowered = [(s, k) for s, k in candidates(source, facts, cluster, gpus=16, nodes=2)
+               if getattr(s.data_parallel() if isinstance(s, pt.Mesh) else s, "param_dtype", None) == torch.bfloat16]
+    assert {(s.data_parallel() if isinstance(s, pt.Mesh) else s).stage for s, _ in lowered} == {1, 2, 3}
+    assert any(isinstance(s, pt.Mesh) and s.tp > 1 for s, _ in lowered)
+    plain, low = (timed_rows(source, facts, facts.step, cluster, [s], gpus=16, nodes=2, optimizer="adam",
+                             accumulate=1)[0]
+                  for s in (pt.ZeRO(stage=3), pt.ZeRO(stage=3, param_dtype=torch.bfloat16)))
+    assert plain["weight_copies"] > 0 and low["weight_copies"] == 0 and low["device_peak"] < plain["device_peak"]
+    assert low["label"] == "zero3+bf16"
+    call = low["session"].removeprefix("pt.Session(").split(", precision=")[0]
+    assert call == "pt.ZeRO(stage=3, param_dtype=torch.bfloat16)"
+    assert eval(call, {"pt": pt, "torch": torch}) == pt.ZeRO(stage=3, param_dtype=torch.bfloat16)
+    fp32 = model_facts(source, 32, seq=64)
+    assert not any(isinstance(s, pt.ZeRO) and s.param_dtype is not None
+                   for s, _ in candidates(source, fp32, cluster, gpus=16, nodes=2))
