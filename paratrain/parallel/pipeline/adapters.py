@@ -1,8 +1,8 @@
 """Which cut a model gets (`cut_for`), and cuts for known models that do not define pipeline_embed /
-pipeline_head themselves (cut.py, [Note: cutting a model by names]): transformers' GPT-2, its
-Llama-shaped decoders (Llama, Mistral, Qwen2) and torchtitan's decoders. Each is the model's own forward, split where its blocks begin and end;
-tests/parallel/pipeline/test_pipeline_cut.py and tests/test_torchtitan.py check them against the
-model's forward."""
+pipeline_head themselves (cut.py, [Note: cutting a model by names]): transformers' GPT-2 and its
+Llama-shaped decoders (Llama, Mistral, Qwen2), and torchtitan's decoders. Each is the model's own
+forward, split where its blocks begin and end; tests/parallel/pipeline/test_pipeline_cut.py and
+tests/test_torchtitan.py check them against the model's forward."""
 
 from __future__ import annotations
 
@@ -56,7 +56,14 @@ def _llama_embed(model: nn.Module, inputs: Any) -> torch.Tensor:
 
 
 def _llama_block_args(model: nn.Module, hidden: torch.Tensor) -> tuple:
-    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    config, length = model.config, hidden.shape[1]
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window is not None and length > window:  # the model would mask beyond the window; this cut does not
+        raise ConfigError(f"{type(model).__name__}'s sliding window ({window} tokens) is shorter than these "
+                          f"sequences ({length}): the built-in pipeline cut gives its layers a plain causal "
+                          "mask; train on sequences of at most the window, or give pt.Pipeline(cut=pt.Cut(...)) "
+                          "whose block_args build the sliding-window mask")
+    positions = torch.arange(length, device=hidden.device).unsqueeze(0)
     mask = None
     if getattr(model.config, "_attn_implementation", "sdpa") == "eager":  # it adds the mask it is given
         mask = torch.full((hidden.shape[1],) * 2, torch.finfo(hidden.dtype).min, device=hidden.device,

@@ -246,6 +246,30 @@ def test_transformers_llama_shaped_decoders_train_on_stages(kind, attention, wor
         assert max_param_diff({k: state[k] for k in expected}, expected) < 1e-6
 
 
+def _train_one_step(topo, make, strategy):
+    session = pt.Session(strategy, topology=topo, progress_bar=False)
+    model = make()
+    model, _ = session.setup(model, _sgd(model))
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    session.train_step((ids, ids), next_token_loss)
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_refused_on_stages():
+    """Mistral masks beyond its sliding window, which the built-in cut does not: sequences longer
+    than the window are refused, saying what to do (the parity test's are within it)."""
+    pytest.importorskip("transformers")
+    make = functools.partial(_decoder, "mistral", "sdpa")
+    short = functools.partial(_with_window, make, 4)
+    with pytest.raises(RankFailure, match=r"sliding window \(4 tokens\) is shorter than these sequences \(8\)"):
+        run_on_ranks(_train_one_step, 2, short, Pipeline(stages=2), timeout=120)
+
+
+def _with_window(make, window):
+    model = make()
+    model.config.sliding_window = window
+    return model
+
+
 def _setup_only(topo, strategy, make):
     pt.Session(strategy, topology=topo, progress_bar=False).setup(make())
 
