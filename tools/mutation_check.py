@@ -411,7 +411,7 @@ MUTANTS = [
              "if ref not in self.alive and ref not in self.ignore:"),),
            ("tests/plan/test_plan_model_probe.py::test_the_weight_copies_are_not_in_the_transient_bytes",)),
     Mutant("pipeline-llama-eager-no-mask", "a Llama stage under eager attention runs its blocks without the causal mask",
-           (("    if getattr(model.config, \"_attn_implementation\", \"sdpa\") == \"eager\":", "    if False:"),),
+           (("    if getattr(config, \"_attn_implementation\", \"sdpa\") == \"eager\":", "    if False:"),),
            ("tests/parallel/pipeline/test_pipeline_cut.py::test_transformers_llama_shaped_decoders_train_on_stages",)),
     Mutant("pipeline-cut-every-ignored", "the parts every stage must keep go to the first or last stage only",
            (("    everywhere = [_entry(model, n) for n in cut.every]", "    everywhere = []"),),

@@ -4,6 +4,7 @@ ranks (a pipeline of a model it cannot cut, "single" on several ranks) is a row 
 
 from __future__ import annotations
 
+from paratrain.components.precision import PRECISIONS
 from paratrain.errors import ParatrainError
 from paratrain.parallel.base import Strategy
 from paratrain.parallel.ddp import DDP
@@ -74,7 +75,7 @@ def label(strategy: Strategy) -> str:
         return f"{dims}{label(inner_strategy(strategy))}"
     if not isinstance(strategy, ZeRO):
         return strategy.name
-    dtype = {"torch.bfloat16": "+bf16", "torch.float16": "+fp16"}.get(str(strategy.param_dtype), "")
+    dtype = next((f"+{name}" for name, d in PRECISIONS.items() if d is not None and d == strategy.param_dtype), "")
     return strategy.name + ("+offload" if strategy.offload else "") + dtype
 
 

@@ -317,7 +317,6 @@ class Session:
 
     # -- the job and the model -------------------------------------------------------------------
 
-
     rank = property(lambda self: self.topology.rank)  # global rank
     world_size = property(lambda self: self.topology.world_size)
     device = property(lambda self: self.topology.device)  # this rank's device

@@ -65,8 +65,8 @@ def _llama_block_args(model: nn.Module, hidden: torch.Tensor) -> tuple:
                           "whose block_args build the sliding-window mask")
     positions = torch.arange(length, device=hidden.device).unsqueeze(0)
     mask = None
-    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":  # it adds the mask it is given
-        mask = torch.full((hidden.shape[1],) * 2, torch.finfo(hidden.dtype).min, device=hidden.device,
+    if getattr(config, "_attn_implementation", "sdpa") == "eager":  # it adds the mask it is given
+        mask = torch.full((length, length), torch.finfo(hidden.dtype).min, device=hidden.device,
                           dtype=hidden.dtype).triu(1)[None, None]
     return model.model.rotary_emb(hidden, positions), positions, mask
 
@@ -74,7 +74,7 @@ def _llama_block_args(model: nn.Module, hidden: torch.Tensor) -> tuple:
 def _llama_block(block: nn.Module, hidden: torch.Tensor, rotary: tuple, positions: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:
     out = block(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
-    return out[0] if isinstance(out, tuple) else out  # a tuple before transformers 4.54
+    return out[0] if isinstance(out, tuple) else out  # older transformers return (hidden, ...)
 
 
 def _llama_head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
