@@ -61,7 +61,7 @@ class TinyGPT(nn.Module):
                              persistent=False)
 
     def example_inputs(self, batch: int, seq: int | None = None) -> tuple[torch.Tensor]:
-        """What `paratrain plan` feeds it (plan/model_source.py)."""
+        """What `paratrain plan` feeds it (plan/model/source.py)."""
         return (torch.zeros(batch, seq or SEQ, dtype=torch.long),)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, SEQ) → (B, SEQ, VOCAB)

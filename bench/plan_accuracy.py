@@ -24,7 +24,7 @@ blocks leave RSS (common.py; it slows each step by its page faults, hence the se
 the larger rank's.
 
 Predicted, from the same model built on the meta device: the fullest rank's device peak
-(plan/memory.py, with model_probe's activations for the global batch and the runs' loss) and the step time
+(plan/cost/memory.py, with probe's activations for the global batch and the runs' loss) and the step time
 (plan/recommend.predict_time: step_time.py over traffic.py's messages) on the cluster file,
 `--cluster`, or one `paratrain plan --calibrate` writes first into bench/inputs/cpu_calibration.json (a planner input, not a result).
 Targets: step time within 15 %, peak memory within 10 %, in every case.
@@ -65,13 +65,13 @@ from common import (  # noqa: E402
 
 import paratrain as pt  # noqa: E402
 from paratrain.launch.cpu_malloc import keep_freed_blocks  # noqa: E402
-from paratrain.plan.calibrate import Settings, calibrate  # noqa: E402
-from paratrain.plan.calibrate_compute import matmul_rates, optimizer_table, traffic_rate  # noqa: E402
-from paratrain.plan.cluster import save_cluster  # noqa: E402
-from paratrain.plan.cluster_presets import load_cluster  # noqa: E402
-from paratrain.plan.memory import predict  # noqa: E402
-from paratrain.plan.model_probe import model_facts  # noqa: E402
-from paratrain.plan.model_source import resolve  # noqa: E402
+from paratrain.plan.cluster.calibrate import Settings, calibrate  # noqa: E402
+from paratrain.plan.cluster.calibrate_compute import matmul_rates, optimizer_table, traffic_rate  # noqa: E402
+from paratrain.plan.cluster.cluster import save_cluster  # noqa: E402
+from paratrain.plan.cluster.presets import load_cluster  # noqa: E402
+from paratrain.plan.cost.memory import predict  # noqa: E402
+from paratrain.plan.model.probe import model_facts  # noqa: E402
+from paratrain.plan.model.source import resolve  # noqa: E402
 from paratrain.plan.recommend import predict_time  # noqa: E402
 from paratrain.testing import run_on_ranks  # noqa: E402
 

@@ -8,7 +8,7 @@ transformers config, built on the meta device; the Megatron papers pad the vocab
 the hardware (a cluster preset whose `sources` cite the paper's own description of it), the
 devices, the global batch, 16-bit mixed precision, activation checkpointing (every run here
 recomputes) and the strategy as paratrain names it. The prediction is the planner's own:
-recommend.predict_time over model_probe's count (what `paratrain plan` times), memory_table's
+recommend.predict_time over probe's count (what `paratrain plan` times), memory_table's
 rows for whether it fits. Nothing here is fitted to the papers.
 
 In the paper's unit:
@@ -22,7 +22,7 @@ error = predicted / published − 1 (for a time, negative: predicted faster); th
 
 A setting paratrain cannot run, or one its paper does not state enough of to rebuild, is a row
 with the published figure, no prediction, and why (`note`). Tensor-parallel settings are planned
-with `pt.Mesh(tp, dp="ddp")` (plan/tensor_parallel.py), and with a pipeline of such stages as
+with `pt.Mesh(tp, dp="ddp")` (plan/cost/tensor_parallel.py), and with a pipeline of such stages as
 `pt.Mesh(tp, dp="ddp", pp=pt.Pipeline(stages, microbatches))`: the Megatron papers' PTD-P.
 """
 
@@ -41,10 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
 from common import print_table, write_json  # noqa: E402
 
 import paratrain as pt  # noqa: E402
-from paratrain.plan.cluster_presets import preset  # noqa: E402
+from paratrain.plan.cluster.presets import preset  # noqa: E402
 from paratrain.plan.memory_table import memory_rows  # noqa: E402
-from paratrain.plan.model_probe import model_facts  # noqa: E402
-from paratrain.plan.model_source import from_config  # noqa: E402
+from paratrain.plan.model.probe import model_facts  # noqa: E402
+from paratrain.plan.model.source import from_config  # noqa: E402
 from paratrain.plan.recommend import nodes_for, predict_time  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -26,8 +26,10 @@ LAYERS = [
     {"parallel.registry"},                   # strategy names -> the objects above
     {"checkpoint.*", "debug.verify", "session.*"},
     {"session.session", "session"},
-    {"plan.*"},                              # the planner reads the strategies' layout code
-    {"plan.calibrate",                       # starts ranks with testing.run_on_ranks
+    {"plan.model.*", "plan.cluster.*"},      # the planner's model and machines
+    {"plan.cost.*"},                         # reads the strategies' layout code, and both of those
+    {"plan.*"},                              # the tables, the search
+    {"plan.cluster.calibrate",               # starts ranks with testing.run_on_ranks
      "launch.run", "launch.rank", "cli.*", "testing", "__init__", "__main__"},
 ]
 

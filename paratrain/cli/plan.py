@@ -1,4 +1,4 @@
-"""`paratrain plan MODEL`: what one training step of MODEL costs (model_probe.py), and
+"""`paratrain plan MODEL`: what one training step of MODEL costs (model/probe.py), and
 `paratrain plan --calibrate OUT.json`: measure this machine into a cluster file (calibrate.py).
 
     paratrain plan gpt2-xl --batch 8 --seq 1024 --precision bf16 [--cluster h100-8x] [--gpus 8] [--json]
@@ -46,7 +46,7 @@ exit status 2, as everywhere in the CLI.
         extended                          counted from copies cut to 1 and 2 blocks (see notes)
         matmuls                           [[[phase, b, m, k, n, [which of b, m, k, n follow the
                                           batch]], count], ...]: b products of (m × k) @ (k × n)
-                                          (plan/matmuls.py)
+                                          (plan/model/matmuls.py)
         traffic                           [forward_fixed, forward_per_batch, backward_fixed,
                                           backward_per_batch]: bytes the other ops read and write
         attention_kv_bytes                the keys and values of every attention call in forward
@@ -81,7 +81,7 @@ exit status 2, as everywhere in the CLI.
                                  activation_bytes), this rank's share
       weight_copies              approximate: autocast's low-precision copies of the weights
                                  this rank computes with (fp32 parameters under --precision
-                                 bf16 or fp16), held through the backward (plan/memory.py)
+                                 bf16 or fp16), held through the backward (plan/cost/memory.py)
       workspace                  approximate: the optimizer step's temporaries on the device
                                  (optimizer_state.OptimizerState.workspace; foreach on a cuda cluster)
       host                       of params + grads + optimizer: in CPU memory (offload)
@@ -119,16 +119,16 @@ import json
 from pathlib import Path
 
 from paratrain.errors import ConfigError
-from paratrain.plan.calibrate import Settings, calibrate
-from paratrain.plan.cluster import Cluster, save_cluster
-from paratrain.plan.cluster_presets import PRESETS as CLUSTERS
-from paratrain.plan.cluster_presets import load_cluster
-from paratrain.plan.layouts import reused
+from paratrain.plan.cluster.calibrate import Settings, calibrate
+from paratrain.plan.cluster.cluster import Cluster, save_cluster
+from paratrain.plan.cluster.presets import PRESETS as CLUSTERS
+from paratrain.plan.cluster.presets import load_cluster
+from paratrain.plan.cost.layouts import reused
+from paratrain.plan.cost.optimizer_state import OPTIMIZERS
 from paratrain.plan.memory_table import describe_memory, memory_rows, strategies
-from paratrain.plan.model_probe import ModelFacts, StepCount, model_facts
-from paratrain.plan.model_source import PRESETS as MODELS
-from paratrain.plan.model_source import resolve
-from paratrain.plan.optimizer_state import OPTIMIZERS
+from paratrain.plan.model.probe import ModelFacts, StepCount, model_facts
+from paratrain.plan.model.source import PRESETS as MODELS
+from paratrain.plan.model.source import resolve
 from paratrain.plan.recommend import FLOPS_DTYPE, describe_plan, nodes_for, plan_rows, recommend, smallest_fit
 from paratrain.plan.scaling import draw, leaders, scaling
 from paratrain.plan.search import describe_search, search
@@ -173,7 +173,7 @@ def add_plan_parser(commands) -> None:
 
 
 def plan(args: argparse.Namespace) -> None:
-    with reused():  # nothing changes a model while the command plans it (plan/layouts.py)
+    with reused():  # nothing changes a model while the command plans it (plan/cost/layouts.py)
         _plan(args)
 
 

@@ -13,9 +13,9 @@ from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.single import Single
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
-from paratrain.plan.memory import RankMemory, predict
-from paratrain.plan.model_source import ModelSource
-from paratrain.plan.tensor_parallel import inner_strategy
+from paratrain.plan.cost.memory import RankMemory, predict
+from paratrain.plan.cost.tensor_parallel import inner_strategy
+from paratrain.plan.model.source import ModelSource
 
 FIGURES = ("params", "grads", "optimizer", "comm_buffers", "gathered", "activations", "weight_copies", "workspace",
            "host", "fresh_grads", "comm_at_start")

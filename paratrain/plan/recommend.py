@@ -4,7 +4,7 @@ use, and what would make a model fit that fits nowhere.
 Each strategy's row joins its memory (memory_table.py) and its step time (step_time.py over the
 messages traffic.py reads from its layout). A strategy fits when its fullest rank's device peak
 is within the cluster's device memory; one that does not fit is tried again with activation
-checkpointing (model_probe's second count: fewer activations, the recompute's FLOPs). The
+checkpointing (probe's second count: fewer activations, the recompute's FLOPs). The
 recommendation is the fitting row with the most tokens (or samples) per second per device,
 written as the `pt.Session(...)` line that runs it. MFU is the model's FLOPs per step (the
 forward and backward, not the recompute) over the step time times the devices' peak rate. With
@@ -26,15 +26,15 @@ from paratrain.parallel.hierarchical import Hierarchical
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
-from paratrain.plan import context_parallel, schedule_figures, step_time, tensor_parallel
-from paratrain.plan.block_regions import stage_shares
-from paratrain.plan.cluster import Cluster
-from paratrain.plan.comm_model import Group
-from paratrain.plan.layouts import trainable
+from paratrain.plan.cluster.cluster import Cluster
+from paratrain.plan.cost import context_parallel, schedule_figures, step_time, tensor_parallel
+from paratrain.plan.cost.comm_model import Group
+from paratrain.plan.cost.layouts import trainable
+from paratrain.plan.cost.traffic import traffic
 from paratrain.plan.memory_table import memory_rows, strategies
-from paratrain.plan.model_probe import ModelFacts, StepCount
-from paratrain.plan.model_source import ModelSource
-from paratrain.plan.traffic import traffic
+from paratrain.plan.model.block_regions import stage_shares
+from paratrain.plan.model.probe import ModelFacts, StepCount
+from paratrain.plan.model.source import ModelSource
 
 FLOPS_DTYPE = {"32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # the cluster's rate for each precision
 
@@ -166,7 +166,7 @@ def predict_time(source: ModelSource, strategy: Strategy, step: StepCount, clust
 
 def _mesh_time(source: ModelSource, strategy: Mesh, step: StepCount, cluster: Cluster, *, gpus: int, nodes: int,
                facts: ModelFacts, accumulate: int) -> step_time.StepTime:
-    """Tensor and context parallelism (plan/tensor_parallel.py, plan/context_parallel.py): the
+    """Tensor and context parallelism (plan/cost/tensor_parallel.py, plan/cost/context_parallel.py): the
     data-parallel strategy's step on the cut model over gpus / tp ranks (dp × cp), or with `pp`
     the pipeline's over them (pp × dp), its compute the cut share, plus the tp all-reduces and
     the cp ring's passes, all exposed. In a pipeline a rank all-reduces for its stage's blocks

@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from paratrain.errors import ConfigError
-from paratrain.plan.cluster import Cluster
-from paratrain.plan.model_probe import ModelFacts
-from paratrain.plan.model_source import ModelSource
+from paratrain.plan.cluster.cluster import Cluster
+from paratrain.plan.model.probe import ModelFacts
+from paratrain.plan.model.source import ModelSource
 from paratrain.plan.recommend import plan_rows, spread
 
 COUNTS = tuple(2**k for k in range(11))  # 1 … 1,024 devices

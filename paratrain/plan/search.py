@@ -21,7 +21,7 @@ What is searched, for the global batch the command gives (recommend.py times eac
 
 A candidate whose data-parallel replicas outnumber the batch's samples, whose fullest rank does
 not fit the device, or that the strategy refuses (a ConfigError, a width the model cannot take)
-is dropped. The probe runs once; each candidate reuses its counts (model_probe.StepCount), the
+is dropped. The probe runs once; each candidate reuses its counts (probe.StepCount), the
 cut copies (tensor_parallel.cut_copy) and the schedules' figures (schedule_figures.py).
 """
 
@@ -37,12 +37,12 @@ from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.tensor import mesh
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
-from paratrain.plan.cluster import Cluster
-from paratrain.plan.layouts import reused
-from paratrain.plan.model_probe import ModelFacts
-from paratrain.plan.model_source import ModelSource
+from paratrain.plan.cluster.cluster import Cluster
+from paratrain.plan.cost.layouts import reused
+from paratrain.plan.model.probe import ModelFacts
+from paratrain.plan.model.repeated_blocks import find_stack
+from paratrain.plan.model.source import ModelSource
 from paratrain.plan.recommend import nodes_for, timed_rows
-from paratrain.plan.repeated_blocks import find_stack
 
 WIDTHS = (1, 2, 4, 8)  # tp and cp
 SAMPLES = (1, 2, 4, 8)  # a pipeline's micro-batch, or accumulation's micro-batches
@@ -98,7 +98,7 @@ def search(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus: in
     nodes = nodes_for(gpus, cluster, nodes)
     steps = [facts.step] + ([facts.checkpointed] if facts.checkpointed is not None else [])
     found = []
-    with reused():  # the layouts of each cut copy, made once (plan/layouts.py)
+    with reused():  # the layouts of each cut copy, made once (plan/cost/layouts.py)
         for (strategy, k), step in itertools.product(candidates(source, facts, cluster, gpus=gpus, nodes=nodes),
                                                      steps):
             try:  # one at a time: a width or cut the model cannot take raises for its own candidate only

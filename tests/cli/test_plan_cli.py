@@ -1,4 +1,4 @@
-"""`paratrain plan` (plan/plan_cli.py) and its calibration (plan/calibrate.py), in this process
+"""`paratrain plan` (plan/plan_cli.py) and its calibration (plan/cluster/calibrate.py), in this process
 except for the calibration's two ranks."""
 
 import dataclasses
@@ -10,15 +10,15 @@ import torch
 
 import paratrain as pt
 from paratrain.cli import main as cli
-from paratrain.plan import calibrate as cal
-from paratrain.plan.cluster import Link, save_cluster
-from paratrain.plan.cluster_presets import load_cluster, preset
-from paratrain.plan.comm_model import TERMS, ring_all_reduce_terms
-from paratrain.plan.memory import predict
-from paratrain.plan.model_probe import model_facts
-from paratrain.plan.model_source import resolve
+from paratrain.plan.cluster import calibrate as cal
+from paratrain.plan.cluster.cluster import Link, save_cluster
+from paratrain.plan.cluster.presets import load_cluster, preset
+from paratrain.plan.cost.comm_model import TERMS, ring_all_reduce_terms
+from paratrain.plan.cost.memory import predict
+from paratrain.plan.cost.step_time import gradient_copy, zero3_local_copies
+from paratrain.plan.model.probe import model_facts
+from paratrain.plan.model.source import resolve
 from paratrain.plan.recommend import predict_time
-from paratrain.plan.step_time import gradient_copy, zero3_local_copies
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -233,9 +233,9 @@ def test_gpus_and_a_cluster_time_each_strategy_and_recommend_the_fastest_that_fi
 def test_offload_rows_step_on_the_host_and_copy_over_its_link(capsys, tmp_path):
     """On a GPU cluster ZeRO's stages with offload are rows of their own: the host's cores step
     this rank's shards (at the preset's host rate) and the copies over PCIe are exposed (step_time.
-    offload, by hand in test_plan_step_time); the device holds less. On a CPU cluster there are
+    offload, by hand in tests/plan/cost/test_step_time.py); the device holds less. On a CPU cluster there are
     none, and a node's host memory too small for the offloaded state does not fit."""
-    from paratrain.plan.traffic import traffic
+    from paratrain.plan.cost.traffic import traffic
 
     argv = ("gpt2", "--gpus", "8", "--cluster", "h100-8x", "--batch", "8", "--seq", "128", "--json")
     plan = json.loads(run(capsys, *argv)[1])
@@ -336,9 +336,9 @@ def test_nodes_spreads_the_devices_and_the_gradients_cross_the_slower_link(capsy
     InfiniBand (50 GB/s) instead of NVLink (450 GB/s), so its step is slower; each comm time is
     comm_model's for the group, over the buckets traffic.py reads with 8 / nodes ranks per node."""
     import paratrain as pt
-    from paratrain.plan import comm_model
-    from paratrain.plan.comm_model import Group
-    from paratrain.plan.traffic import traffic
+    from paratrain.plan.cost import comm_model
+    from paratrain.plan.cost.comm_model import Group
+    from paratrain.plan.cost.traffic import traffic
 
     argv = ("gpt2", "--gpus", "8", "--cluster", "h100-8x", "--batch", "8", "--seq", "64", "--precision", "bf16",
             "--json")
@@ -383,7 +383,7 @@ def test_png_with_nodes_scales_with_that_node_size():
 
 def test_every_backward_of_a_pipelines_micro_batches_adds_its_gradients(monkeypatch):
     """A pipeline stage's m micro-batches each add their gradients to the stage's (times accumulate)."""
-    from paratrain.plan import step_time
+    from paratrain.plan.cost import step_time
 
     source = resolve("gpt2")
     facts = model_facts(source, 24, 32, activation_checkpointing=None)

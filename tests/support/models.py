@@ -206,7 +206,7 @@ def counting_new_objects():
     """Inside, gc.collect() and gc.get_objects() walk only what was made inside: what exists on
     entry (torch's and paratrain's ~180k objects) is frozen. It existed before any count, so no
     count looks for it, and walking it cost 0.22 s a count in one process, more with ranks sharing
-    2 cores; tests/plan/test_plan_memory.py counts five times per strategy (its three runs of every
+    2 cores; tests/plan/cost/test_memory.py counts five times per strategy (its three runs of every
     strategy: 112 s -> 15 s)."""
     gc.collect()
     gc.freeze()

@@ -63,7 +63,7 @@ OWN_FLAT_ELEMENTS = 1 << 20  # [Note: the root's big parameters]
 def flats_by_unit(by_unit: dict[str, list[nn.Parameter]],
                   group_of: dict[nn.Parameter, int]) -> dict[str, list[list[nn.Parameter]]]:
     """Each unit's flat shards' parameters (`by_unit`: params_by_unit's), as stage3.py builds them
-    and plan/memory.py counts them: in the root of a model cut into units, each parameter of at
+    and plan/cost/memory.py counts them: in the root of a model cut into units, each parameter of at
     least OWN_FLAT_ELEMENTS gets a flat of its own ([Note: the root's big parameters])."""
     wrapped = len(by_unit) > 1
     return {name: flats_of(params, group_of, alone=OWN_FLAT_ELEMENTS if wrapped and not name else None)

@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 
 from paratrain.errors import ConfigError
-from paratrain.plan.cluster import Cluster, Link
+from paratrain.plan.cluster.cluster import Cluster, Link
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import torch
 
 import paratrain as pt
 from paratrain.errors import ParatrainError
-from paratrain.plan.cluster_presets import preset
-from paratrain.plan.model_probe import model_facts
-from paratrain.plan.model_source import from_config
+from paratrain.plan.cluster.presets import preset
+from paratrain.plan.model.probe import model_facts
+from paratrain.plan.model.source import from_config
 from paratrain.plan.recommend import timed_rows
 from paratrain.plan.search import candidates, describe_search, search
 
@@ -66,7 +66,7 @@ def test_a_device_too_small_for_every_candidate_finds_nothing(gpt):
 def test_the_ranking_is_every_candidate_timed_alone_with_nothing_reused(gpt):
     """The search makes each layout once (layouts.reused); its ranking is that of every candidate
     timed on its own, with nothing reused."""
-    from paratrain.plan import layouts
+    from paratrain.plan.cost import layouts
 
     source, facts, cluster = gpt
     rows = search(source, facts, cluster, gpus=16, optimizer="adam", top=3)
@@ -86,7 +86,7 @@ def test_the_ranking_is_every_candidate_timed_alone_with_nothing_reused(gpt):
 
 
 def test_reused_layouts_are_made_once_per_model_strategy_and_world(gpt):
-    from paratrain.plan import layouts
+    from paratrain.plan.cost import layouts
 
     model = gpt[0].build()
     held = layouts.trainable(model)

@@ -1,11 +1,11 @@
 """How long one optimizer step takes under a strategy: compute, the communication compute does
 not hide, and a pipeline's bubble.
 
-Compute: the FLOPs model_probe counted for the global batch (forward; backward with any
+Compute: the FLOPs the probe (model/probe.py) counted for the global batch (forward; backward with any
 recompute), times this rank's share of the batch (1/replicas; a pipeline stage also 1/stages),
 at the cluster's achievable rate for the precision (cluster.flops), or, where the cluster holds
 a calibrated matmul table, each matmul at its shape's rate with a rank's share of the batch (a
-micro-batch's under a pipeline; plan/matmuls.py) and the rest at cluster.flops. Plus the
+micro-batch's under a pipeline; plan/model/matmuls.py) and the rest at cluster.flops. Plus the
 element-wise work FlopCounterMode does not count (norms, activation functions, softmax,
 residuals, the loss): where the cluster has a traffic rate, the bytes those ops read and write
 over it; else the saved activation bytes over the cluster's `elementwise_rate`, a third in the
@@ -60,12 +60,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from paratrain.plan import comm_model
-from paratrain.plan.cluster import Cluster
-from paratrain.plan.comm_model import Group
-from paratrain.plan.matmuls import Matmuls, Traffic
-from paratrain.plan.matmuls import flops as matmul_flops
-from paratrain.plan.matmuls import seconds as matmul_seconds
+from paratrain.plan.cluster.cluster import Cluster
+from paratrain.plan.cost import comm_model
+from paratrain.plan.cost.comm_model import Group
+from paratrain.plan.model.matmuls import Matmuls, Traffic
+from paratrain.plan.model.matmuls import flops as matmul_flops
+from paratrain.plan.model.matmuls import seconds as matmul_seconds
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,9 @@ class Compute:
            *, world: int, nodes: int = 1, activation_bytes: int = 0, matmuls: Matmuls = (),
            traffic: Traffic | None = None, fraction: float = 1.0) -> "Compute":
         """At the cluster's achievable rates, slowed when a node runs more ranks than devices.
-        Where the cluster has a matmul table for `dtype`, `matmuls` (model_probe's) are timed
+        Where the cluster has a matmul table for `dtype`, `matmuls` (probe's) are timed
         at their shapes when a rank runs `fraction` of the batch at once, and where it has a
-        traffic rate, the other ops by the bytes they move (`traffic`; plan/matmuls.py)."""
+        traffic rate, the other ops by the bytes they move (`traffic`; plan/model/matmuls.py)."""
         shared = sharing(cluster, world=world, nodes=nodes)
         rate = cluster.flops(dtype) / shared
         elementwise = activation_bytes * shared / cluster.elementwise_rate if cluster.elementwise_rate else 0.0

@@ -4,7 +4,7 @@ bubble) and the micro-batches each rank holds activations for at its peak (memor
 Both come from replaying the schedule's checked action lists (pipeline/check.py), which takes
 seconds at p = 64 stages and m = 512 micro-batches, so a plan that weighs many pipelines (a
 search) would spend its time there. GPipe and 1F1B have closed forms, equal to the replay for
-every p and m (tests/plan/test_plan_schedule_figures.py): p − 1 idle slots; GPipe holds all m
+every p and m (tests/plan/cost/test_schedule_figures.py): p − 1 idle slots; GPipe holds all m
 micro-batches on every stage, 1F1B min(m, p − s) on stage s (Narayanan et al., SC 2021, §2.2).
 Other schedules are replayed, once per shape.
 """

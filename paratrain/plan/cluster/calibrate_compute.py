@@ -4,7 +4,7 @@ the settings of both phases.
 Square matmuls (`Settings.matmul_size`) in fp32, and in bf16 where the device has it, back to back
 after a warm-up: FLOP/s = 2·n³ per product. A table of (m × k) @ (k × n) products over
 `Settings.matmul_grid` per dtype, operands out of cache (cluster.matmul_rates: the planner times
-each of a model's matmuls at its own shape, plan/matmuls.py). Adam's rate over tensors of
+each of a model's matmuls at its own shape, plan/model/matmuls.py). Adam's rate over tensors of
 several sizes (cluster.optimizer_rates), and the element-wise work of a transformer block per
 byte it saves and per byte it moves (cluster.elementwise_rate, traffic_rate). On the CPU with one
 thread: a device is one core.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paratrain.plan.matmuls import Recorder
+from paratrain.plan.model.matmuls import Recorder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -35,7 +35,7 @@ class Settings:
     matmul_size: int = 1024  # n of the n×n products
     gpu_matmul_size: int = 8192  # a GPU's tensor cores reach their rate only on large ones
     matmul_seconds: float = 1.0  # time spent on each dtype's products, about
-    # the shape table (plan/matmuls.py): every (m, k, n) of these, each the fastest of 3 trials
+    # the shape table (plan/model/matmuls.py): every (m, k, n) of these, each the fastest of 3 trials
     # of about `shape_seconds` / 3 (and at least 1 product); a shape of more than `shape_cap`
     # multiply-adds is timed with its largest dimensions halved until it is under: large shapes'
     # rates have levelled off by then
@@ -161,7 +161,7 @@ def _adam_rate(settings: Settings, device: torch.device, size: int, count: int) 
 def elementwise_rate(settings: Settings, device: torch.device) -> float:
     """Saved-activation bytes per second through the element-wise work of a transformer block's
     forward and backward without its matmuls (LayerNorm, GELU, softmax over rows, residual adds), on
-    (4096, 1024) floats; the bytes are what autograd saves, as model_probe counts them."""
+    (4096, 1024) floats; the bytes are what autograd saves, as probe counts them."""
     saved: dict[int, int] = {}
 
     def pack(t):
@@ -176,7 +176,7 @@ def elementwise_rate(settings: Settings, device: torch.device) -> float:
 
 def traffic_rate(settings: Settings, device: torch.device) -> float:
     """Bytes per second the same element-wise work reads and writes, counted by the probe's
-    Recorder (plan/matmuls.py) as it counts a model's."""
+    Recorder (plan/model/matmuls.py) as it counts a model's."""
     step = _elementwise_step(device)
     with Recorder() as counted:
         step()

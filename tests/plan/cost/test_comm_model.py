@@ -1,5 +1,5 @@
-"""The alpha-beta model of plan/comm_model.py against costs worked out by hand, and the cluster
-presets and files of plan/cluster.py.
+"""The alpha-beta model of plan/cost/comm_model.py against costs worked out by hand, and the cluster
+presets and files of plan/cluster/cluster.py.
 
 Hand values use a link of α = 10 µs and β = 1 GB/s and a message of S = 1 MB, so S/β = 1 ms:
     ring all-reduce, n = 5:  2·4·10 µs + 2·4/5·1 ms = 80 µs + 1.6 ms   = 1.68 ms
@@ -18,9 +18,9 @@ import math
 import pytest
 
 from paratrain.errors import ConfigError
-from paratrain.plan import comm_model as cm
-from paratrain.plan.cluster import Cluster, Link, save_cluster
-from paratrain.plan.cluster_presets import PRESETS, load_cluster, preset
+from paratrain.plan.cluster.cluster import Cluster, Link, save_cluster
+from paratrain.plan.cluster.presets import PRESETS, load_cluster, preset
+from paratrain.plan.cost import comm_model as cm
 
 S = 1e6
 ALPHA, BETA = 10e-6, 1e9

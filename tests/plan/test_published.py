@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from paratrain.plan.cluster import GB, from_dict
-from paratrain.plan.cluster_presets import preset
-from paratrain.plan.model_probe import model_facts
-from paratrain.plan.model_source import from_config
+from paratrain.plan.cluster.cluster import GB, from_dict
+from paratrain.plan.cluster.presets import preset
+from paratrain.plan.model.probe import model_facts
+from paratrain.plan.model.source import from_config
 from tests.support import ROOT_DIR
 
 ROOT = ROOT_DIR
@@ -31,7 +31,7 @@ def test_the_v100_dgx2h_preset_validates_and_says_where_each_figure_comes_from()
 
 @pytest.mark.slow
 def test_equation_3_is_the_flops_the_planner_counts_within_2_percent():
-    """Narayanan et al.'s Eq. (3) leaves out what is not a matmul; model_probe counts matmuls and
+    """Narayanan et al.'s Eq. (3) leaves out what is not a matmul; probe counts matmuls and
     attention with the recompute, so the two agree closely for the bench's 1.2B GPT."""
     gpt = plan_published.GPT_1_2B
     step = model_facts(from_config("gpt", gpt.config()), 8, gpt.seq, precision="fp16").checkpointed

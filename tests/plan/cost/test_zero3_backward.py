@@ -1,4 +1,4 @@
-"""The planner's walk of a ZeRO-3 backward (plan/zero3_backward.py) against a real one.
+"""The planner's walk of a ZeRO-3 backward (plan/cost/zero3_backward.py) against a real one.
 
 A real zero3 backward at world 3 is watched at the two moments the walk models, for every flat:
 when autograd's gradient has arrived (before the previous reduction is waited for) and when it
@@ -13,7 +13,7 @@ from torch import nn
 
 import paratrain as pt
 from paratrain.parallel.zero import flat_shard
-from paratrain.plan.memory import predict
+from paratrain.plan.cost.memory import predict
 from paratrain.testing import run_on_ranks
 
 UNITS = pt.WrapPolicy(module_classes=(nn.Linear,))

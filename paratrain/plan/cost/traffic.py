@@ -24,7 +24,7 @@ from paratrain.parallel.ddp import DDP
 from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.single import Single
 from paratrain.parallel.zero import ZeRO
-from paratrain.plan.layouts import data_parallel_layout, stage_layout, trainable, zero3_flats, zero12_layout
+from paratrain.plan.cost.layouts import data_parallel_layout, stage_layout, trainable, zero3_flats, zero12_layout
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ measured rate is already the achieved one) for a calibrated file.
 Bandwidths are per device and per direction (bytes/s one rank sends while it also receives), the
 β of the alpha-beta model (comm_model.py); latencies are the α of one step of a collective.
 
-    cluster = load_cluster("h100-8x")  # cluster_presets.py: a preset, or a JSON file written by save_cluster
+    cluster = load_cluster("h100-8x")  # cluster/presets.py: a preset, or a JSON file written by save_cluster
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Cluster:
     elementwise_rate: float = 0.0  # saved-activation bytes per second the non-matmul work of a
     # forward and backward gets through (norms, activations, softmax, residuals, the loss)
     # dtype -> [m, k, n, achieved FLOP/s] over a grid of shapes (calibrate.py matmul_table); a
-    # dtype without one times every matmul at flops(dtype) (plan/matmuls.py)
+    # dtype without one times every matmul at flops(dtype) (plan/model/matmuls.py)
     matmul_rates: dict[str, list[list[float]]] = field(default_factory=dict)
     # [elements per tensor, elements/s] the optimizer steps tensors of that size at (calibrate.py
     # optimizer_table): a tensor that fits in cache steps faster; none: optimizer_rate for all

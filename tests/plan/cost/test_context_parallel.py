@@ -1,4 +1,4 @@
-"""`paratrain plan` with context parallelism (plan/context_parallel.py): the probe counts each
+"""`paratrain plan` with context parallelism (plan/cost/context_parallel.py): the probe counts each
 attention call's keys and values, a cp rank's memory is the inner strategy's over dp × cp ranks
 plus the ring's two K, V blocks, and its step adds the ring's passes."""
 
@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 
 import paratrain as pt
-from paratrain.plan import comm_model
-from paratrain.plan.cluster_presets import preset
-from paratrain.plan.memory import predict
-from paratrain.plan.model_probe import model_facts
-from paratrain.plan.model_source import resolve
+from paratrain.plan.cluster.presets import preset
+from paratrain.plan.cost import comm_model
+from paratrain.plan.cost.memory import predict
+from paratrain.plan.model.probe import model_facts
+from paratrain.plan.model.source import resolve
 from paratrain.plan.recommend import plan_rows, predict_time
 from tests.support.llama import Llama
 
@@ -25,7 +25,7 @@ def small() -> Llama:
 
 @pytest.fixture(scope="module")
 def planned():
-    source = resolve("tests.plan.test_plan_context_parallel:small")
+    source = resolve("tests.plan.cost.test_context_parallel:small")
     return source, model_facts(source, BATCH, seq=SEQ), dataclasses.replace(preset("h100-8x"), host_link=None)
 
 

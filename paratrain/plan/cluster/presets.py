@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from paratrain.errors import ConfigError
-from paratrain.plan.cluster import GB, TERA, Cluster, GiB, Link, from_dict
+from paratrain.plan.cluster.cluster import GB, TERA, Cluster, GiB, Link, from_dict
 
 # Adam reads and writes the parameter and both moments and reads the gradient: 28 bytes per fp32
 # element, memory-bound on a GPU; and each saved activation byte is read and written by about

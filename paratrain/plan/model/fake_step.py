@@ -1,4 +1,4 @@
-"""Running a model once on fake tensors, for model_probe.py: the model's parameters and buffers
+"""Running a model once on fake tensors, for model/probe.py: the model's parameters and buffers
 swapped for fakes (`faked`), attention as the fused kernel a GPU runs (`fused_attention`,
 `CPU_ATTENTION_FLOPS`), the FLOPs of the run (`Flops`) and the lifetime of every storage it makes
 (`Lifetimes`)."""
@@ -28,7 +28,7 @@ def fused_attention(kv_bytes: list[int] | None = None):
     module, as models call it, because a TorchFunctionMode does not reach the recompute of a
     checkpointed block in backward.) `kv_bytes` gets the bytes of each call's keys and values,
     a recompute's in backward too (the caller reads it after forward): what context parallelism
-    passes around its ring (plan/context_parallel.py)."""
+    passes around its ring (plan/cost/context_parallel.py)."""
     original = F.scaled_dot_product_attention
 
     def without_dropout(query, key, value, *args, **kwargs):
@@ -107,7 +107,7 @@ def faked(model: nn.Module, mode: FakeTensorMode) -> Iterator[set[StorageWeakRef
 
 
 class Lifetimes(TorchDispatchMode):
-    """When each storage an op makes is born and dies, in ops (model_probe's docstring: transient bytes).
+    """When each storage an op makes is born and dies, in ops (probe's docstring: transient bytes).
     `ignore`: storages never counted (the model's fake parameters and buffers).
 
     A cast of one of them to another dtype (autocast's low-precision copy of a weight) is not

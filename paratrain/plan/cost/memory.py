@@ -6,7 +6,7 @@ from (the functions named are the ones the strategies themselves call):
 
 - params, grads, optimizer: EXACT at rest, i.e. after `optimizer.step()` from the second step on
   (the buckets of DDP are laid out again after the first backward), before `zero_grad()`, with
-  the finite check's sum taken (Session's step takes it). tests/plan/test_plan_memory.py checks them
+  the finite check's sum taken (Session's step takes it). tests/plan/cost/test_memory.py checks them
   against the live tensors of real runs at world 2, 3 and 4.
     single, ddp, hierarchical, pipeline: every parameter; gradients in DDP's buckets
         (buckets.assign / first_layout via grad_sync.first_grad_layout, buckets.buffer_numel:
@@ -21,7 +21,7 @@ from (the functions named are the ones the strategies themselves call):
         flat shard per unit and param group (and per big root parameter) of padded_numel(numel, N)
         / N elements (flat_shard.py), its gradient the same size; frozen parameters stay whole.
     mesh (tensor parallel): the data-parallel strategy's figures on the model as a tp rank holds
-        it (each cut parameter 1/tp: plan/tensor_parallel.py) over world / tp ranks.
+        it (each cut parameter 1/tp: plan/cost/tensor_parallel.py) over world / tp ranks.
     The optimizer keeps `OptimizerState.per_element` tensors the size of each tensor it steps,
     in its dtype, plus `scalar_bytes` per tensor (Adam's `step`).
   A caveat for hierarchical only: its buckets are laid out again in the order gradients arrived,
@@ -46,7 +46,7 @@ from (the functions named are the ones the strategies themselves call):
   fresh_grads` would take the largest of each at once. The bench MLP's zero3 at world 4 (six
   units, each copying a 16 MiB gradient into a 16 MiB buffer): 120 MiB predicted before against
   134 measured; at world 2, 192 against 193, by two errors cancelling.
-- activations: APPROXIMATE: `activation_bytes` (model_probe's StepCount.activation_peak_bytes for
+- activations: APPROXIMATE: `activation_bytes` (probe's StepCount.activation_peak_bytes for
   the global batch: the most its forward and backward hold at once beyond the model's state, the
   saved activations, their gradients and temporaries) times this rank's share of the batch, 1/N,
   and of that one accumulation micro-batch's, 1/accumulate; for a pipeline stage, of its
@@ -57,7 +57,7 @@ from (the functions named are the ones the strategies themselves call):
   GPT's pipeline peaks: +20 % and +12 % over measured with an even split, -6 % and -5 % so);
   without blocks, the transient peak evenly over the stages.
 - weight_copies: APPROXIMATE, under autocast with parameters in fp32: the low-precision copy of
-  each weight the rank computes with (model_probe's StepCount.weight_copy_bytes, per parameter
+  each weight the rank computes with (probe's StepCount.weight_copy_bytes, per parameter
   element, times the elements the rank holds whole: all of them under ddp, zero1 and zero2, its
   stage's in a pipeline, its slices under tp). Autocast caches the cast of a parameter, and the
   session's autocast spans forward and backward, so they live from the forward's first use to
@@ -66,7 +66,7 @@ from (the functions named are the ones the strategies themselves call):
   matmuls save for backward, all of them at the forward's end (an upper bound: the last unit's
   backward may free one before another is made), or, with checkpointing, the root unit's and
   one other unit's while it runs again. None with ZeRO's `param_dtype`: the parameters are in
-  the low precision already. tests/plan/test_plan_memory.py measures them in real bf16 steps.
+  the low precision already. tests/plan/cost/test_memory.py measures them in real bf16 steps.
 - host: how much of params + grads + optimizer is in CPU memory (ZeRO's offload).
 - fresh_grads: how much of grads on the device zero_grad frees and the next backward makes again
   (ZeRO-2's reduced slices, ZeRO-3's shards' gradients); ddp's and zero1's buckets stay. They
@@ -100,13 +100,13 @@ from paratrain.parallel.pipeline import Pipeline
 from paratrain.parallel.single import Single
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.zero import ZeRO
-from paratrain.plan import schedule_figures
-from paratrain.plan.block_regions import stage_shares
-from paratrain.plan.context_parallel import ring_bytes_held
-from paratrain.plan.layouts import data_parallel_layout, stage_layout, trainable, zero12_layout
-from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
-from paratrain.plan.tensor_parallel import activation_fraction, cut_copy, inner_strategy
-from paratrain.plan.zero3_backward import backward_peak, zero3_walk_flats
+from paratrain.plan.cost import schedule_figures
+from paratrain.plan.cost.context_parallel import ring_bytes_held
+from paratrain.plan.cost.layouts import data_parallel_layout, stage_layout, trainable, zero12_layout
+from paratrain.plan.cost.optimizer_state import OPTIMIZERS, OptimizerState
+from paratrain.plan.cost.tensor_parallel import activation_fraction, cut_copy, inner_strategy
+from paratrain.plan.cost.zero3_backward import backward_peak, zero3_walk_flats
+from paratrain.plan.model.block_regions import stage_shares
 
 
 @dataclass(frozen=True)
@@ -156,13 +156,13 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     optimizer: an OptimizerState or a name in OPTIMIZERS.
     local_world: ranks per node (hierarchical; default: one node).
     activation_bytes: the transient peak of one forward and backward of the global batch
-        (model_probe's StepCount.activation_peak_bytes).
+        (probe's StepCount.activation_peak_bytes).
     group_of: each trainable parameter's optimizer param group (default: all in one).
     arrival: the order gradients arrive in backward (default: reverse registration).
     foreach: the optimizer steps every tensor at once (torch's default for CUDA tensors).
     accumulate: micro-batches per optimizer step (Session(accumulate=...)), each 1/accumulate of
         the batch; all but the last backward run under no_sync().
-    step: model_probe's StepCount that activation_bytes came from: a pipeline's stages get their
+    step: probe's StepCount that activation_bytes came from: a pipeline's stages get their
         share of them (block_regions.stage_shares), and each rank the copies autocast makes of
         the weights it holds; None: an even split, and no copies.
     weight_copy_rate: bytes of those copies per parameter element (default: the step's
@@ -212,7 +212,7 @@ class _Model:
     activation_bytes: int
     foreach: bool = False
     accumulate: int = 1
-    step: Any = None  # model_probe.StepCount, for a pipeline's stage shares
+    step: Any = None  # probe.StepCount, for a pipeline's stage shares
     copy_rate: float = 0.0  # autocast's weight copies, bytes per parameter element
 
     def copies(self, params) -> int:
@@ -308,9 +308,9 @@ def _zero3(m: _Model, strategy: ZeRO) -> RankMemory:
 
 def _mesh(m: _Model, strategy: Mesh, local_world: int) -> list[RankMemory]:
     """Tensor and context parallelism: the data-parallel strategy's memory on the cut model (what a
-    tp rank holds: plan/tensor_parallel.py) over world / tp ranks, which are dp × cp, or with `pp`
+    tp rank holds: plan/cost/tensor_parallel.py) over world / tp ranks, which are dp × cp, or with `pp`
     the pipeline's over them (pp × dp); activations cut as the papers measure, and the ring's K, V
-    blocks in flight (plan/context_parallel.py)."""
+    blocks in flight (plan/cost/context_parallel.py)."""
     tp, cp = strategy.tp, strategy.cp
     if m.world % (tp * cp):
         raise ConfigError(f"tp={tp} × cp={cp} does not divide the world size {m.world}")

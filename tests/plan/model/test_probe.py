@@ -1,4 +1,4 @@
-"""plan/model_probe.py and plan/model_source.py against counts derived by hand.
+"""plan/model/probe.py and plan/model/source.py against counts derived by hand.
 
 FLOPs are 2 per multiply-add of a matmul (FlopCounterMode's convention); bytes are float32 (4)
 unless said. B: batch, T: sequence, C: width.
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.plan.model_probe import model_facts
-from paratrain.plan.model_source import ModelSource, resolve
+from paratrain.plan.model.probe import model_facts
+from paratrain.plan.model.source import ModelSource, resolve
 
 B, T, C, HEADS = 3, 16, 32, 4
 
@@ -59,7 +59,7 @@ def test_linear_stack_matmuls_by_shape_mark_the_batch_dimension(input_grad):
     """Forward: (B × in) @ (in × out) per layer, m the batch. Backward per layer: the input's
     gradient (B × out) @ (out × in), m the batch, except the first layer's when the input needs
     none; the weight's (out × B) @ (B × in), k the batch. Their FLOPs are FlopCounterMode's."""
-    from paratrain.plan.matmuls import Matmul, flops
+    from paratrain.plan.model.matmuls import Matmul, flops
 
     sizes = (8, 16, 16, 4)
     step = model_facts(source(lambda: Stack(sizes, input_grad)), B, activation_checkpointing=None).step
@@ -226,7 +226,7 @@ def test_each_blocks_forward_flops_and_what_runs_before_and_after_them_are_count
     position indices the embeddings' backward reads) is the lead's, and a pipeline stage's shares
     follow its blocks (block_regions.stage_shares): two blocks and the lead on the first, two
     and the head on the last."""
-    from paratrain.plan.block_regions import stage_shares
+    from paratrain.plan.model.block_regions import stage_shares
     model = source(GPT).build()
     step = model_facts(source(GPT), B, T, activation_checkpointing=None).step
     assert step.lead_flops == 0
@@ -251,7 +251,7 @@ def test_a_pipelines_stages_split_the_activations_by_their_blocks_and_lose_none(
     activations, all of them, and the rest of the peak (the backward's gradients and
     temporaries) once, for one of the 3 micro-batches, on the last stage, which holds more."""
     import paratrain as pt
-    from paratrain.plan.memory import predict
+    from paratrain.plan.cost.memory import predict
 
     step = model_facts(source(GPT), B, T, activation_checkpointing=None).step
     cut = pt.Cut("blocks", embed=lambda m, idx: m.tokens(idx) + m.positions(torch.arange(idx.shape[1])),
@@ -308,8 +308,8 @@ def test_presets_have_the_published_sizes():
 
 COUNT_70B = """
 import resource, sys
-from paratrain.plan.model_probe import model_facts
-from paratrain.plan.model_source import resolve
+from paratrain.plan.model.probe import model_facts
+from paratrain.plan.model.source import resolve
 model_facts(resolve("llama-2-70b"), 1, 4096, precision="bf16")
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """

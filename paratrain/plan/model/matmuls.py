@@ -5,7 +5,7 @@ ran at ~190 GFLOP/s while the bench GPT's head, 2048 × 256 × 8192, ran at ~112
 products fall further. So a single FLOP/s figure times every model's matmuls as if they were
 square and large, and the planner's compute came out 20-35 % short on the bench models.
 
-Recording: model_probe runs the step on fake tensors under `Recorder`, a dispatch mode that notes
+Recording: probe runs the step on fake tensors under `Recorder`, a dispatch mode that notes
 each aten.mm / addmm / bmm / baddbmm as (b, m, k, n): b products of (m × k) @ (k × n), 2·b·m·k·n
 FLOPs as FlopCounterMode counts them. It runs again at twice the batch: a dimension that doubled
 is proportional to the batch (`scaling`), so the shapes a rank multiplies with its share of the

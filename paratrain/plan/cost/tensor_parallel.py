@@ -14,7 +14,7 @@ embedding and head replicated. What the plan cannot say, the planner takes from 
                   holds whole: the replica's, uncut (the one block recomputed at a time is cut,
                   left out). With sequence parallelism s·b·h·(34/t + 5as/(ht)) (Table 2): 1/tp of
                   the replica's, checkpointed or not (the blocks' inputs are cut along the sequence)
-    compute       the blocks' FLOPs (model_probe's block_flops) run 1/tp on each rank; the rest
+    compute       the blocks' FLOPs (probe's block_flops) run 1/tp on each rank; the rest
                   (embedding, head, loss) whole
     comm          per block, an all-reduce of its output (b·s·h) after attention and after the MLP
                   in forward and one for each in backward, once more in a recomputed forward; on
@@ -36,10 +36,10 @@ from paratrain.parallel.base import Strategy
 from paratrain.parallel.tensor.layers import ColwiseLinear, RowwiseLinear, VocabEmbedding
 from paratrain.parallel.tensor.mesh import Mesh
 from paratrain.parallel.tensor.plan import COLWISE, ROWWISE, plan_for
-from paratrain.plan import comm_model
-from paratrain.plan.cluster import Cluster
-from paratrain.plan.comm_model import Group
-from paratrain.plan.repeated_blocks import find_stack
+from paratrain.plan.cluster.cluster import Cluster
+from paratrain.plan.cost import comm_model
+from paratrain.plan.cost.comm_model import Group
+from paratrain.plan.model.repeated_blocks import find_stack
 
 
 def cut_modules(model: nn.Module, strategy: Mesh) -> dict[str, str]:

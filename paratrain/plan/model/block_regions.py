@@ -1,4 +1,4 @@
-"""Where in the model one forward's work and saved bytes fall, for model_probe.py: in each block
+"""Where in the model one forward's work and saved bytes fall, for model/probe.py: in each block
 of the stack, before the first block (a GPT's embeddings), or after the last (its final norm,
 head and loss). A pipeline puts the blocks on stages and what comes before and after on the
 first and the last (pipeline/plan.py, plan_cut), so its stages differ by these regions
@@ -68,7 +68,7 @@ class BlockRegions:
 def stage_shares(step: Any, model: nn.Module, holdings: list[list[nn.Parameter]]
                  ) -> tuple[list[float], list[float]] | None:
     """Each pipeline stage's share of one forward's FLOPs and of its saved activation bytes, from
-    model_probe's StepCount `step` (its block_flops, block_activation_bytes and leads) and the
+    probe's StepCount `step` (its block_flops, block_activation_bytes and leads) and the
     stages' parameters (Pipeline.holdings): a block is on the stage holding its parameters, the
     lead on the first, the rest (after the last block) on the last. None where the count has no
     blocks or a block is on no stage (a model cut elsewhere than its stack): split evenly."""

@@ -1,6 +1,6 @@
 """What one training step of a model costs, found by running it once on fake tensors.
 
-The model is built on the meta device (model_source.py); its parameters and buffers are swapped
+The model is built on the meta device (model/source.py); its parameters and buffers are swapped
 for fake CPU tensors (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes, dtypes, devices
 and storages, no memory, no arithmetic), and one forward and one backward of one batch run:
 
@@ -57,11 +57,11 @@ from torch.utils._pytree import tree_leaves
 from paratrain.components.activation_checkpointing import Which, checkpoint_activations, select
 from paratrain.components.precision import PRECISIONS
 from paratrain.errors import ConfigError
-from paratrain.plan.block_regions import BlockRegions
-from paratrain.plan.fake_step import Flops, Lifetimes, faked, fused_attention
-from paratrain.plan.matmuls import Matmuls, Recorder, Traffic, extend_matmuls, scaling
-from paratrain.plan.model_source import ModelSource
-from paratrain.plan.repeated_blocks import Stack, cut, extend, extend_blocks, find_stack
+from paratrain.plan.model.block_regions import BlockRegions
+from paratrain.plan.model.fake_step import Flops, Lifetimes, faked, fused_attention
+from paratrain.plan.model.matmuls import Matmuls, Recorder, Traffic, extend_matmuls, scaling
+from paratrain.plan.model.repeated_blocks import Stack, cut, extend, extend_blocks, find_stack
+from paratrain.plan.model.source import ModelSource
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,8 @@ class StepCount:
     transient_bytes: int = 0  # the most held at once beyond parameters, buffers and their gradients
     checkpointed: tuple[str, ...] = ()  # the modules whose activations were checkpointed
     extended: bool = False  # counted from copies of the model cut to 1 and 2 blocks (repeated_blocks.py)
-    matmuls: Matmuls = ()  # the step's matmuls by shape, at this batch (plan/matmuls.py)
-    traffic: Traffic = Traffic()  # bytes the other ops read and write (plan/matmuls.py)
+    matmuls: Matmuls = ()  # the step's matmuls by shape, at this batch (plan/model/matmuls.py)
+    traffic: Traffic = Traffic()  # bytes the other ops read and write (plan/model/matmuls.py)
     attention_kv_bytes: int = 0  # the keys and values of every attention call in forward, whole batch
     attention_calls: int = 0  # F.scaled_dot_product_attention calls in forward
     weight_copy_bytes: int = 0  # autocast's low-precision copies of the weights, one each (not in
@@ -255,7 +255,7 @@ def work_by_shape(source: ModelSource, model: nn.Module, at_batch: tuple[dict, d
                   seq: int | None, precision: str = "32", loss_fn=None) -> tuple[Matmuls, Traffic]:
     """The matmuls of one forward and backward by shape, each dimension marked as scaling with
     the batch or not, and the bytes the other ops move: `at_batch` (count_step's run) against a
-    fake run at twice the batch (plan/matmuls.py). Where that run fails (a loss_fn made for one
+    fake run at twice the batch (plan/model/matmuls.py). Where that run fails (a loss_fn made for one
     batch size), no dimension is marked and all the bytes count as per batch."""
     autocast = PRECISIONS[precision]
     mode = FakeTensorMode()

@@ -42,7 +42,7 @@ from paratrain.distributed.comm import all_gather_single, reduce_scatter_single
 from paratrain.distributed.topology import Topology
 from paratrain.errors import ConfigError
 from paratrain.launch.cpu_malloc import keep_freed_blocks
-from paratrain.plan.calibrate_compute import (
+from paratrain.plan.cluster.calibrate_compute import (
     DTYPES,
     Settings,
     elementwise_rate,
@@ -53,8 +53,8 @@ from paratrain.plan.calibrate_compute import (
     sync_device,
     traffic_rate,
 )
-from paratrain.plan.cluster import Cluster, Link
-from paratrain.plan.comm_model import TERMS, Terms
+from paratrain.plan.cluster.cluster import Cluster, Link
+from paratrain.plan.cost.comm_model import TERMS, Terms
 from paratrain.testing import run_on_ranks
 
 

@@ -1,16 +1,16 @@
-"""`paratrain plan` with tensor parallelism (plan/tensor_parallel.py): its rows, its step's parts,
+"""`paratrain plan` with tensor parallelism (plan/cost/tensor_parallel.py): its rows, its step's parts,
 and its recommendation where the layers fit nowhere else. (Its per-rank bytes are checked
-against real runs in test_plan_memory.py.)"""
+against real runs in cost/test_memory.py.)"""
 
 import dataclasses
 
 import pytest
 
 import paratrain as pt
-from paratrain.plan import tensor_parallel
-from paratrain.plan.cluster_presets import preset
-from paratrain.plan.model_probe import model_facts
-from paratrain.plan.model_source import ModelSource, resolve
+from paratrain.plan.cluster.presets import preset
+from paratrain.plan.cost import tensor_parallel
+from paratrain.plan.model.probe import model_facts
+from paratrain.plan.model.source import ModelSource, resolve
 from paratrain.plan.recommend import plan_rows, predict_time, recommend
 from tests.support.llama import Llama
 
@@ -24,7 +24,7 @@ def wide() -> Llama:
 
 @pytest.fixture(scope="module")
 def planned():
-    source = resolve("tests.plan.test_plan_tensor_parallel:wide")
+    source = resolve("tests.plan.cost.test_tensor_parallel:wide")
     return source, model_facts(source, 8, seq=16), dataclasses.replace(preset("h100-8x"), host_link=None)
 
 
@@ -71,7 +71,7 @@ def test_a_model_whose_layers_fit_nowhere_else_is_recommended_tensor_parallel(pl
 def test_sequence_parallelism_cuts_a_ranks_activations_to_one_tp_th_and_hybrid_sharding_is_refused(planned):
     """Korthikanti et al. 2022, Table 2: (10 + 24/t)/34 of a replica's activations per rank under
     tensor parallelism, 1/t with sequence parallelism as well (checkpointed or not)."""
-    from paratrain.plan.memory import predict
+    from paratrain.plan.cost.memory import predict
 
     source, _, _ = planned
     model, activations = source.shared, 34 * 2**20
@@ -103,7 +103,7 @@ def test_a_strategy_with_more_replicas_than_samples_is_not_planned(planned):
 @pytest.fixture(scope="module")
 def gpt():
     """A transformers GPT-2, which a pipeline knows how to cut (pipeline/adapters.py)."""
-    from paratrain.plan.model_source import from_config
+    from paratrain.plan.model.source import from_config
 
     config = dict(model_type="gpt2", n_layer=4, n_embd=256, n_head=4, n_positions=64, vocab_size=512)
     source = from_config("gpt", config)
@@ -113,7 +113,7 @@ def test_a_pipeline_of_tensor_parallel_stages_is_the_pipeline_on_the_cut_model(g
     """Mesh(tp, pp): the pipeline's step over world / tp ranks on what a tp rank holds, its
     compute and bubble the cut share, plus each stage's blocks' tp all-reduces, which also
     stretch the bubble's slots; its memory is the pipeline's on the cut model."""
-    from paratrain.plan.memory import predict
+    from paratrain.plan.cost.memory import predict
 
     source, facts, cluster = gpt
     step, pipe = facts.step, pt.Pipeline(stages=2, microbatches=2)

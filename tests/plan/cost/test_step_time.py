@@ -1,4 +1,4 @@
-"""plan/step_time.py against timelines worked out by hand.
+"""plan/cost/step_time.py against timelines worked out by hand.
 
 The link is α = 0, β = 1 GB/s unless a case says otherwise, so a message of S bytes costs S ns
 per unit of volume; times are in seconds."""
@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from paratrain.errors import ConfigError
-from paratrain.plan import step_time as st
-from paratrain.plan.cluster import Cluster, Link
-from paratrain.plan.comm_model import Group
+from paratrain.plan.cluster.cluster import Cluster, Link
+from paratrain.plan.cost import step_time as st
+from paratrain.plan.cost.comm_model import Group
 
 
 def cluster(latency: float = 0.0, gpus_per_node: int = 8) -> Cluster:
@@ -167,7 +167,7 @@ def test_a_matmul_table_times_each_shape_at_its_rate_on_a_ranks_share_of_the_bat
     import dataclasses
     import math
 
-    from paratrain.plan.matmuls import Matmul
+    from paratrain.plan.model.matmuls import Matmul
 
     rows = [[m, k, n, 2e11 if m == 256 else 1e11] for m in (64, 256) for k in (64, 256) for n in (64, 256)]
     hand = dataclasses.replace(cluster(), matmul_rates={"fp32": rows})

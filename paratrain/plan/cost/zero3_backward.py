@@ -29,7 +29,7 @@ from torch import nn
 
 from paratrain.parallel.buckets import padded_numel
 from paratrain.parallel.zero import ZeRO
-from paratrain.plan.layouts import zero3_flats
+from paratrain.plan.cost.layouts import zero3_flats
 
 
 @dataclass(frozen=True)

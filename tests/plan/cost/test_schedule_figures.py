@@ -1,11 +1,11 @@
-"""plan/schedule_figures.py: the closed forms the planner uses for GPipe and 1F1B are what
+"""plan/cost/schedule_figures.py: the closed forms the planner uses for GPipe and 1F1B are what
 replaying their checked action lists gives, and other schedules are replayed."""
 
 import pytest
 
 import paratrain as pt
 from paratrain.parallel.pipeline.check import bubble_slots, peak_alive
-from paratrain.plan.schedule_figures import figures
+from paratrain.plan.cost.schedule_figures import figures
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -4,13 +4,13 @@ The ranks of a cp group read the same batches and each trains on 1/cp of every s
 inner data-parallel strategy runs over dp × cp ranks (parallel/tensor/mesh.py): so parameters,
 gradients, optimizer state, the data-parallel traffic and the activations (a rank's share of the
 tokens: the batch over dp · cp) are those of the inner strategy over world / tp ranks, which the
-tensor-parallel plan (plan/tensor_parallel.py) already gives. What cp adds is the attention's:
+tensor-parallel plan (plan/cost/tensor_parallel.py) already gives. What cp adds is the attention's:
 
     memory   ring attention holds, beside what forward saves, the K, V block it attends with
              (stacked into one message) and the one arriving: 2 × one call's K and V on this rank
              at once, transient ("all-to-all" and "all-gather" hold the whole sequence's K, V
              of their heads instead: counted the same, a lower bound for those)
-    comm     per attention call (model_probe counts them, with their keys' and values' bytes),
+    comm     per attention call (probe counts them, with their keys' and values' bytes),
              each rank passes its neighbour cp − 1 blocks of K, V in forward (once more when the
              block is recomputed), and in backward cp − 1 blocks again and cp blocks of their
              gradient: (cp − 1)(1 + recompute) + 2cp − 1 messages of one rank's K, V, a p2p send
@@ -21,8 +21,8 @@ tensor-parallel plan (plan/tensor_parallel.py) already gives. What cp adds is th
 
 from __future__ import annotations
 
-from paratrain.plan import comm_model
-from paratrain.plan.cluster import Cluster
+from paratrain.plan.cluster.cluster import Cluster
+from paratrain.plan.cost import comm_model
 
 
 def kv_per_rank(attention_kv_bytes: int, gpus: int, accumulate: int) -> float:

@@ -1,4 +1,4 @@
-"""The planner's memory prediction (plan/memory.py) against the bytes real runs hold.
+"""The planner's memory prediction (plan/cost/memory.py) against the bytes real runs hold.
 
 Each strategy trains two steps on real gloo ranks at world 2, 3 and 4 (sizes that no world size
 divides, so padding counts); then every tensor storage alive in the rank that was not alive
@@ -18,10 +18,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import paratrain as pt
-from paratrain.plan.memory import RankMemory, predict
-from paratrain.plan.model_probe import model_facts
-from paratrain.plan.model_source import ModelSource
-from paratrain.plan.optimizer_state import OPTIMIZERS, OptimizerState
+from paratrain.plan.cost.memory import RankMemory, predict
+from paratrain.plan.cost.optimizer_state import OPTIMIZERS, OptimizerState
+from paratrain.plan.model.probe import model_facts
+from paratrain.plan.model.source import ModelSource
 from paratrain.testing import run_on_ranks
 from tests.support.models import (
     counting_new_objects,
@@ -210,7 +210,7 @@ def test_the_optimizer_workspace_is_what_torchs_adam_makes_in_a_step(foreach):
     foreach one of each."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from paratrain.plan.fake_step import Lifetimes
+    from paratrain.plan.model.fake_step import Lifetimes
 
     params = [nn.Parameter(torch.zeros(n)) for n in (300, 1000, 200)]
     for p in params:
@@ -243,7 +243,7 @@ def _measure_meshes(topo) -> dict[str, dict]:
 
 def test_tensor_parallel_prediction_equals_the_bytes_each_rank_holds():
     """pt.Mesh at world 4 (tp 2 × dp 2): the data-parallel strategy's figures on the model as a
-    tp rank holds it (plan/tensor_parallel.py)."""
+    tp rank holds it (plan/cost/tensor_parallel.py)."""
     measured = run_on_ranks(_measure_meshes, 4, timeout=240)
     for name, strategy in MESHES.items():
         predicted = _predicted(strategy, 4, "adam", 4, make=_cut_model)
@@ -344,7 +344,7 @@ def test_a_llama_preset_plans_as_a_pipeline_whose_stages_hold_the_model():
     """transformers' Llama has a built-in cut (pipeline/adapters.py): the planner lays out its
     stages, which hold every parameter once, the token embedding on the first and the head on the
     last, and no stage the whole model."""
-    from paratrain.plan.model_source import resolve
+    from paratrain.plan.model.source import resolve
 
     model = resolve("llama-2-7b").build()
     stages = predict(model, pt.Pipeline(stages=4, microbatches=4), world=4)
