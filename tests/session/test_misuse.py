@@ -1,6 +1,6 @@
 """Misuse a user of a training library would hit, each a clear paratrain error that says what went
-wrong and what to do. Other files test more cases (listed in the report of this issue); these are
-the session's own, one row per case."""
+wrong and what to do: the session's own cases, most one row of a table. The finite check's are in
+test_finite_check.py, a checkpoint's in tests/checkpoint/, a launch's in tests/launch/."""
 
 import contextlib
 
@@ -255,3 +255,59 @@ def test_a_nan_loss_on_one_rank_stops_both_at_the_first_step_and_that_rank_names
                            "did not step"), msg1
     assert msg0.startswith("a gradient is NaN or infinite although the loss was finite"), msg0
     assert "another rank's error may name a non-finite loss" in msg0
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+# -- stepping the optimizer given to setup, not the one it returned -------------------------------
+
+def _old_optimizer(topo, strategy):
+    session = pt.Session(pt.Pipeline(stages=2, microbatches=2) if strategy == "pipeline" else strategy,
+                         topology=topo, progress_bar=False)
+    model = make_model("mlp").net if strategy == "pipeline" else make_model("mlp")
+    old = _sgd(model)
+    model, new = session.setup(model, old)
+    for group in old.param_groups:  # an lr change through the old one reaches the new one
+        group["lr"] = 0.05
+    lrs = [g["lr"] for g in new.param_groups]
+    session.train_step(BATCH, F.cross_entropy)
+    try:
+        old.step()
+        return lrs, None
+    except pt.UsageError as e:
+        return lrs, str(e)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "pipeline"])
+def test_stepping_the_replaced_optimizer_is_refused(strategy):
+    for lrs, error in run_on_ranks(_old_optimizer, 2, strategy):
+        assert lrs and set(lrs) == {0.05}
+        assert error is not None and ("step the optimizer setup() returned" in error
+                                      or "use the optimizer that" in error)
+
+
+# -- the step's contract ---------------------------------------------------------------------
+
+def test_several_accumulation_blocks_before_one_step_are_refused():
+    with pt.Session("single", accumulate=2, progress_bar=False) as session:
+        model = make_model("mlp")
+        model, _ = session.setup(model, _sgd(model))
+        with session.accumulation():
+            session.backward(F.cross_entropy(model(XS[0]), YS[0]))
+        with pytest.raises(pt.UsageError, match="entered again before session.step"):
+            with session.accumulation():
+                pass
+
+
+@pytest.mark.parametrize("loss_fn,message", [
+    (lambda out, y: None, "returned None: a model called without labels"),
+    (lambda out, y: F.cross_entropy(out, y, reduction="none"), r"returned \(4,\), not a scalar"),
+])
+def test_a_loss_function_that_returns_no_scalar_is_named(loss_fn, message):
+    with pt.Session("single", progress_bar=False) as session:
+        model = make_model("mlp")
+        model, _ = session.setup(model, _sgd(model))
+        with pytest.raises(pt.UsageError, match=message):
+            session.train_step((BATCH), loss_fn)

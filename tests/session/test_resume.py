@@ -4,20 +4,27 @@ processes, and augmentation drawn from torch, Python's random, NumPy and the loa
 
 Each case trains `first` micro-batches, checkpoints, trains `then` more; a fresh session with
 every random state moved elsewhere resumes from the checkpoint and trains the same `then`: its
-parameters must equal the uninterrupted run's bit for bit."""
+parameters must equal the uninterrupted run's bit for bit.
 
+Then what a resume keeps and refuses: a prefetching loop resumes on the batch after the last one
+trained; another optimizer class is refused unless only weights are loaded; a new learning rate is
+named and can be kept; Adam's betas come back as the learning rate does."""
+
+import functools
+import itertools
 import random
+import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import paratrain as pt
 from paratrain.checkpoint import random_state as rs
 from paratrain.components.precision import GradScaler
-from paratrain.testing import assert_same_params, run_on_ranks
+from paratrain.testing import assert_same_params, max_param_diff, run_on_ranks
 from tests.support.models import make_batches, make_model
 from tests.support.pipeline_models import chain
 
@@ -167,3 +174,110 @@ def test_the_snapshot_reads_whole_where_the_words_are_elsewhere():
         draw()
         assert python_state.state() == random.getstate() and python_state.memory is False
         assert _same_numpy_state(numpy_state.state(), np.random.get_state()) and numpy_state.memory is False
+
+
+XS, YS = make_batches(2, 8, seed=1)
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _seeded_dataset(n=48):
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g))
+
+
+# -- the data position counts batches trained on ---------------------------------------------------
+
+def _prefetching_loop(topo, tmp, stop_after, accumulate, workers):
+    """nanoGPT's habit: the next batch is fetched before this one's step. Checkpoint after
+    `stop_after` micro-batches (None: run through), then resume from `tmp` in a new session."""
+    states = []
+    for attempt in ("first", "resumed") if stop_after is not None else ("only",):
+        session = pt.Session("ddp", topology=topo, progress_bar=False, accumulate=accumulate, seed=5)
+        model = make_model("dropout")
+        loader = DataLoader(_seeded_dataset(), batch_size=4, shuffle=True, num_workers=workers)
+        model, opt, loader = session.setup(model, _sgd(model), loader)
+        if attempt == "resumed":
+            assert session.resume(tmp)
+        for epoch in range(session.epoch, 2):
+            batches = iter(session.progress(loader))
+            batch = next(batches, None)
+            while batch is not None:
+                upcoming = next(batches, None)  # fetched ahead of the step
+                session.train_step(batch, F.cross_entropy)
+                if attempt == "first" and session.micro_step == stop_after:
+                    session.checkpoint(tmp)
+                    break
+                batch = upcoming
+            else:
+                continue
+            break
+        states.append(session.full_state_dict())  # (both sessions share the process group)
+    return states[-1]
+
+
+@pytest.mark.parametrize("stop_after,accumulate,workers", [(5, 1, 0), (5, 2, 0), (7, 3, 0)])
+def test_a_prefetching_loop_resumes_on_the_batch_after_the_last_trained(tmp_path, stop_after, accumulate, workers):
+    """(5, 2) and (7, 3): checkpointed mid-accumulation, the window is trained again from its
+    start. (Loader workers cannot start inside run_on_ranks' daemonic ranks.)"""
+    whole = run_on_ranks(_prefetching_loop, 2, str(tmp_path / "a"), None, accumulate, workers)
+    resumed = run_on_ranks(_prefetching_loop, 2, str(tmp_path / "b"), stop_after, accumulate, workers)
+    for a, b in itertools.product(whole, resumed):
+        assert max_param_diff(a, b) == 0
+
+
+# -- resuming with another optimizer, or another learning rate ------------------------------------
+
+def _train_and_save(path, optimizer_class, lr):
+    with pt.Session("single", progress_bar=False) as session:
+        model = make_model("mlp")
+        model, opt = session.setup(model, optimizer_class(model.parameters(), lr=lr))
+        session.train_step((XS[0], YS[0]), F.cross_entropy)
+        session.save(path)
+        return session.full_state_dict()
+
+
+def test_resuming_into_another_optimizer_class_is_refused_unless_weights_only(tmp_path):
+    saved = _train_and_save(tmp_path / "adam", torch.optim.Adam, 0.01)
+    with pt.Session("single", progress_bar=False) as session:
+        model = make_model("mlp")
+        model, opt = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(pt.ConfigError, match="holds the state of a torch.optim.adam.Adam.*weights_only=True"):
+            session.load(tmp_path / "adam")
+        session.load(tmp_path / "adam", weights_only=True)
+        assert max_param_diff(session.full_state_dict(), saved) == 0
+        assert not opt.state and opt.param_groups[0]["lr"] == 0.1 and session.micro_step == 0
+
+
+def test_a_new_learning_rate_at_resume_is_named_and_can_be_kept(tmp_path):
+    _train_and_save(tmp_path / "sgd", torch.optim.SGD, 0.1)
+    for policy, lr in [("checkpoint", 0.1), ("current", 0.02)]:
+        with pt.Session("single", progress_bar=False) as session:
+            model = make_model("mlp")
+            model, opt = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.02))
+            if policy == "checkpoint":
+                with pytest.warns(UserWarning, match="replaces this optimizer's lr 0.02 → 0.1"):
+                    session.load(tmp_path / "sgd")
+            else:
+                session.load(tmp_path / "sgd", hyperparameters=policy)
+            assert opt.param_groups[0]["lr"] == lr and session.micro_step == 1
+
+
+def test_adams_betas_come_back_from_the_checkpoint_as_the_learning_rate_does(tmp_path):
+    """A tuple hyperparameter (Adam's betas) is saved and restored, as a tuple, and a new value of
+    yours is named like a new learning rate (it was dropped at save: yours won, silently)."""
+    _train_and_save(tmp_path / "adam", functools.partial(torch.optim.Adam, betas=(0.8, 0.9)), 0.01)
+    with pt.Session("single", progress_bar=False) as session:
+        model = make_model("mlp")
+        model, opt = session.setup(model, torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.5, 0.5)))
+        with pytest.warns(UserWarning, match=r"replaces this optimizer's betas \(0.5, 0.5\) → \[0.8, 0.9\]"):
+            session.load(tmp_path / "adam")
+        assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+    with pt.Session("single", progress_bar=False) as session:  # the same betas: nothing to name
+        model = make_model("mlp")
+        model, opt = session.setup(model, torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            session.load(tmp_path / "adam")

@@ -1,5 +1,6 @@
 """Session end to end: the same script under 'single' and 'ddp' trains the same model."""
 
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -199,3 +200,22 @@ def test_train_step_lets_the_outputs_go_before_backward(strategy):
     the outputs once the loss is computed, as a plain loop does. Held through backward they cost
     that memory and, in bench/session.py, 2-3 % of the GPT's step."""
     assert run_on_ranks(_outputs_alive_in_backward, 1, strategy) == [[False]]
+
+
+# -- per-rank randomness, the size of a sharded model ------------------------------------------
+
+def _seeds_and_sizes(topo):
+    session = pt.Session("zero3", topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    expected = sum(p.numel() for p in model.parameters())
+    model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    xs, ys = make_batches(1, 4, seed=1)
+    session.train_step((xs[0], ys[0]), F.cross_entropy)
+    return session.rank_seed, session.num_parameters(), session.num_parameters(trainable_only=True), expected
+
+
+def test_rank_seeds_differ_and_parameter_counts_are_whole_under_zero3():
+    results = run_on_ranks(_seeds_and_sizes, 2)
+    assert results[0][0] != results[1][0]
+    for _, total, trainable, expected in results:
+        assert total == trainable == expected

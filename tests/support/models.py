@@ -237,3 +237,15 @@ def live_tensors() -> list[torch.Tensor]:
 def live_storages() -> dict[int, int]:
     """Every tensor storage reachable from Python: data pointer → bytes."""
     return storages(live_tensors())
+
+
+def resumed_mlp_state(topo, root) -> dict:
+    """The full state of a single-process "mlp" session resumed from the newest checkpoint in
+    `root` (for run_on_ranks: the session needs a topology)."""
+    import paratrain as pt
+
+    session = pt.Session("single", topology=topo, progress_bar=False)
+    model = make_model("mlp")
+    model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert session.resume(root)
+    return session.full_state_dict()
