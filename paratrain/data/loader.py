@@ -35,6 +35,7 @@ whose optimizer step completed in the pass, which the next pass skips.
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,11 +59,13 @@ class ShardedLoader(DataLoader):
     stepped = 0  # of those, batches whose optimizer step completed
     start = 0  # batches of this pass a resumed run skipped (a batch sampler's or a stream's)
     pass_generator: torch.Tensor | None = None  # the generator before this pass drew from it
-    epochs: Any = None  # the Session training from it: a pass reads its epoch, a complete one ends it
+    # set by count_epochs: each pass reads the epoch to shuffle for, a complete pass reports its end
+    epoch_of_pass: Callable[[], int] | None = None
+    pass_ended: Callable[[], None] | None = None
 
     def __iter__(self):
-        if self.epochs is not None:
-            self.set_epoch(self.epochs.epoch)
+        if self.epoch_of_pass is not None:
+            self.set_epoch(self.epoch_of_pass())
         self.passes += 1
         self.delivered = self.trained = self.stepped = 0
         self.start = getattr(self._share(), "skip", 0)  # the pass's own iteration then clears it
@@ -73,8 +76,13 @@ class ShardedLoader(DataLoader):
                 self.dataset.skip = 0  # taken by the pass (and by the workers' copies) by now
             yield batch
         self.pass_generator = None  # the pass ran out: the next draws from the generator as it is
-        if self.epochs is not None:
-            self.epochs.end_epoch()
+        if self.pass_ended is not None:
+            self.pass_ended()
+
+    def count_epochs(self, epoch: Callable[[], int], ended: Callable[[], None]) -> None:
+        """Train epochs with this loader: every pass reshuffles for `epoch()`, and a complete pass
+        calls `ended()` (the Session passes its epoch and end_epoch)."""
+        self.epoch_of_pass, self.pass_ended = epoch, ended
 
     def generator_state(self) -> torch.Tensor:
         """The generator as a resumed run needs it: as it was when the pass in progress began, so

@@ -10,8 +10,6 @@ import torch
 from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
-from paratrain.data.loader import ShardedLoader
-
 if TYPE_CHECKING:
     from paratrain.session.session import Session
 
@@ -20,7 +18,7 @@ def progress(session: "Session", loader: Iterable, desc: str | None = None) -> I
     """Iterate `loader` once with a bar on rank 0 (see `Session.progress`)."""
     # the training loader reads session.epoch at each pass and a complete pass ends it
     # (data/loader.py); its epoch is chosen here already, so that the bar's total is that epoch's
-    if isinstance(loader, ShardedLoader) and loader.epochs is session:
+    if session.loader is not None and loader is session.loader:
         loader.set_epoch(session.epoch)
     replicas = session.model.replicas if session.model is not None else 1
     try:

@@ -194,7 +194,7 @@ class Session:
         self._on_device = DeviceCheck() if DeviceCheck.wanted(self.optimizer, self.scaler, self.nan_check) else None
         self.loader = self.shard_loader(loader) if loader is not None else None
         if self.loader is not None:
-            self.loader.epochs = self  # each pass reads session.epoch, a complete one ends it (data/loader.py)
+            self.loader.count_epochs(lambda: self.epoch, self.end_epoch)  # (data/loader.py)
         self.step_boundary = position(self) if self.accumulate > 1 else None
         out = [self.model] + [x for x in (self.optimizer, self.loader) if x is not None]
         return out[0] if len(out) == 1 else tuple(out)
