@@ -3,6 +3,8 @@ stage 2 also gradients, stage 3 also parameters.
 
     stage12.py      stages 1 and 2: our DDP with padded buckets and flat parameters; the stage is
                     the bucket reduction (all-reduce / reduce to the owners)
+    bucket_shards.py  stages 1 and 2: the flat parameters of a set of buckets and this rank's
+                    slices, which the optimizer steps (the model's, or a pipeline chunk's)
     stage3.py       stage 3: units gathered just before use and freed after (FSDP)
     flat_shard.py   one unit's flat, sharded parameters and their gather / reduce lifecycle
     units.py        how stage 3 takes a model apart into units

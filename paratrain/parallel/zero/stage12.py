@@ -9,7 +9,7 @@ Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Paramet
 
 Layout: the DDP buckets (buckets.py: reverse parameter order, capped, one optimizer param group
 per bucket) are zero-padded to a multiple of N, and the parameters become views into one flat
-buffer per bucket with the same layout as the gradient bucket. Rank r owns slice r of every
+buffer per bucket with the same layout as the gradient bucket (bucket_shards.py). Rank r owns slice r of every
 bucket, as Megatron-core's distributed optimizer does: its optimizer steps a parameter "shard"
 that is a view of that slice, so an updated shard is already in place for the all-gather.
 
@@ -35,12 +35,12 @@ from torch import nn
 
 from paratrain.components.optim import clip_grad_norm_over, rebuild_optimizer, skips_on_device
 from paratrain.components.precision import cast_floating
-from paratrain.distributed.comm import all_gather_single, broadcast_coalesced
+from paratrain.distributed.comm import broadcast_coalesced
 from paratrain.errors import ConfigError, UsageError
 from paratrain.parallel.base import CheckpointLayout, FlatLayout, names_by_first, user_key
-from paratrain.parallel.buckets import Bucket
 from paratrain.parallel.ddp import DistributedDataParallel
-from paratrain.parallel.zero.collectives import OwnerCollectives, gather_from_owners, reduced_sums_for
+from paratrain.parallel.zero.bucket_shards import BucketShards
+from paratrain.parallel.zero.collectives import OwnerCollectives, reduced_sums_for
 from paratrain.parallel.zero.optim import param_groups_of
 from paratrain.parallel.zero.owner_reduction import OwnerReduction, ScatterToOwners
 
@@ -73,80 +73,47 @@ class ZeroDataParallel(DistributedDataParallel):
                          broadcast_buffers=broadcast_buffers, reduction=reduction)
         self._reduction, self.collectives = reduction, collectives
         self.param_dtype, self.offload = param_dtype, offload
-        self.param_buffers = [self._flatten(b) for b in self._buckets.buckets]
-        # what the inner optimizer steps: this rank's slice of every bucket, a view of it, or a
-        # master copy ([Note: master shards])
-        self.masters = param_dtype is not None or offload
-        self.shards = [nn.Parameter(self._master(b, buf, originals) if self.masters else self._slice(buf))
-                       for b, buf in zip(self._buckets.buckets, self.param_buffers)]
-        self._grads_from = -1  # the backward whose gradients the masters' .grad hold
-        reduction.free(self._buckets.buckets)
+        self.owned = BucketShards(self._buckets.buckets, reduction, collectives, process_group,
+                                  param_dtype=param_dtype, offload=offload, originals=originals)
+
+    @property
+    def shards(self) -> list[nn.Parameter]:
+        """What the inner optimizer steps: this rank's slice of every bucket, a view of it, or a
+        master copy ([Note: master shards])."""
+        return self.owned.shards
+
+    @property
+    def param_buffers(self) -> list[torch.Tensor]:
+        return self.owned.param_buffers
+
+    @property
+    def masters(self) -> bool:
+        return self.owned.masters
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.param_dtype is not None:  # inputs in the parameters' dtype
             inputs, kwargs = cast_floating((inputs, kwargs), self.param_dtype)
         return super().forward(*inputs, **kwargs)
 
-    def _slice(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.view(self.replicas, -1)[self.replica_index]
-
-    def _master(self, bucket: Bucket, flat: torch.Tensor, originals: dict | None) -> torch.Tensor:
-        """This rank's slice of `bucket`'s parameters in their own dtype (their values before any
-        cast), at home: the CPU under offload, page-locked when the model is on a GPU."""
-        values = flat
-        if originals:
-            values = torch.zeros(flat.numel(), dtype=originals[bucket.params[0]].dtype, device=flat.device)
-            for slot, p in enumerate(bucket.params):
-                bucket.view(slot, values).copy_(originals[p])
-        home = torch.device("cpu") if self.offload else flat.device
-        master = self._slice(values).to(home, copy=True)
-        return master.pin_memory() if self.offload and flat.device.type == "cuda" else master
-
     def join_hook(self, **kwargs: Any):
         raise ConfigError("join() cannot mirror ZeRO's optimizer step, which all-gathers the "
                           "parameters; give every rank the same number of batches (a loader set up "
                           "by paratrain.Session does)")
 
-    def _flatten(self, bucket: Bucket) -> torch.Tensor:
-        flat = torch.zeros_like(bucket.buffer)
-        for slot, p in enumerate(bucket.params):
-            view = bucket.view(slot, flat)
-            view.copy_(p.detach())
-            p.data = view  # the module's parameters now live in the flat buffer
-        return flat
-
     def bucket_group(self, index: int) -> int:
         """The optimizer param group of bucket `index`."""
-        return self._reduction.key(self._buckets.buckets[index].params[0])
+        return self.owned.bucket_group(index)
 
     def attach_shard_grads(self) -> None:
-        """Give each shard its slice of the averaged gradient (None where there is none): the
-        slice itself, or, for master shards, an fp32 copy at home, made once per backward (so
-        clipping scales the copy the step then reads)."""
-        if self.masters and self._grads_from == self._reduction.backwards:
-            return
-        self._grads_from = self._reduction.backwards
-        for bucket, shard in zip(self._buckets.buckets, self.shards):
-            grad = self._reduction.shard_grad(bucket)
-            shard.grad = grad.to(shard.device, shard.dtype, copy=True) if self.masters and grad is not None else grad
+        self.owned.attach_grads()
 
     def gather_params(self) -> None:
-        """Every rank's updated slices into every rank's flat parameters (collectives.
-        gather_from_owners); master shards are first copied (cast) into their slices."""
-        if self.masters:
-            for buf, shard in zip(self.param_buffers, self.shards):
-                self._slice(buf).copy_(shard.detach())
-        works = [work for buf in self.param_buffers
-                 for work in gather_from_owners(buf, self._slice(buf), self.process_group, rank=self.replica_index,
-                                                world=self.replicas, all_gather=self.collectives.all_gather)]
-        for work in works:
-            work.wait()
+        self.owned.gather()
 
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         """This rank's slices of the averaged gradients; the other slices are on the other
         data-parallel ranks."""
-        self.attach_shard_grads()
-        return [s.grad for s in self.shards if s.grad is not None], self.process_group or dist.group.WORLD
+        return self.owned.grads(), self.process_group or dist.group.WORLD
 
     def watch_reductions(self) -> None:
         scatter = getattr(self._reduction, "reduce_scatter", False)  # stage 2's reduce-scatters
@@ -172,10 +139,7 @@ class ZeroDataParallel(DistributedDataParallel):
         return replace(layout, params=frozen, params_in_flat=True, after_load=self.gather_params)
 
     def _flat_layouts(self) -> dict[torch.Tensor, FlatLayout]:
-        names = {p: user_key(n) for n, p in self.module.named_parameters()}
-        return {shard: FlatLayout(tuple((names[p], off, p.shape) for p, off in zip(b.params, b.offsets)),
-                                  b.buffer.numel() // self.replicas, self.replica_index, self.replicas)
-                for b, shard in zip(self._buckets.buckets, self.shards)}
+        return self.owned.flat_layouts({p: user_key(n) for n, p in self.module.named_parameters()})
 
     def state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
         """The parameters' true values: master shards are gathered (in their own dtype), a
@@ -186,13 +150,7 @@ class ZeroDataParallel(DistributedDataParallel):
             return
         names = names_by_first(CheckpointLayout.whole(self.module).aliases)  # tied weights: all their names
         gathered = set()
-        for (shard, layout), bucket in zip(self._flat_layouts().items(), self._buckets.buckets):
-            full = torch.empty(shard.numel() * self.replicas, dtype=shard.dtype, device=bucket.buffer.device)
-            all_gather_single(full, shard.detach().to(full.device, copy=True), group=self.process_group)
-            piece = {}
-            for first, offset, shape in layout.slots:
-                value = full[offset:offset + shape.numel()].view(shape).clone()
-                piece.update({name: value for name in names.get(first, [first])})
+        for piece in self.owned.gathered({p: user_key(n) for n, p in self.module.named_parameters()}, names):
             gathered.update(piece)
             yield piece
         yield {k: v for k, v in state.items() if k not in gathered}
@@ -200,10 +158,7 @@ class ZeroDataParallel(DistributedDataParallel):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._params:
             p.grad = None
-        for shard in self.shards:
-            shard.grad = None
-        self._grads_from = -1
-        self._reduction.zero_grad()
+        self.owned.zero_grad()
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
