@@ -33,6 +33,8 @@ def _session(topo, strategy, name="tied"):
         strategy = pt.ZeRO(stage=3, wrap_policy=pt.WrapPolicy(module_classes=(torch.nn.Linear,)))
     if strategy == "pipeline":  # 2 stages; at world 4, 2 stages × 2 replicas
         strategy = pt.Pipeline(stages=2, schedule="1f1b", microbatches=2)
+    if strategy in ("pp-zero1", "pp-zero2"):  # 2 stages × 2 replicas, which shard the optimizer state
+        strategy = pt.Mesh(pp=pt.Pipeline(stages=2, schedule="1f1b", microbatches=2), dp=strategy[3:])
     session = pt.Session(strategy, topology=topo, progress_bar=False, seed=3)
     model = chain() if name == "chain" else make_model(name)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -79,6 +81,8 @@ def _uninterrupted(topo, strategy, steps, name="tied"):
     (("pipeline", 2), ("ddp", 2), "chain"),  # each stage writes its own layers
     (("ddp", 2), ("pipeline", 4), "chain"),  # each stage of each replica reads its own
     (("pipeline", 4), ("single", 1), "chain"),
+    (("pp-zero2", 4), ("zero1", 2), "chain"),  # each replica of each stage writes its slices
+    (("ddp", 2), ("pp-zero1", 4), "chain"),
 ])
 def test_a_checkpoint_loads_under_another_world_size_and_strategy(tmp_path, saver, loader, name):
     path = str(tmp_path / "ckpt")

@@ -52,6 +52,7 @@ from paratrain.parallel.pipeline.check import check
 from paratrain.parallel.pipeline.microbatches import chunks, shape_key
 from paratrain.parallel.pipeline.p2p import Pending, StageLinks, broadcast_output, floating
 from paratrain.parallel.pipeline.schedules import Order, Schedule
+from paratrain.parallel.pipeline.sharded import ShardedReplicas
 from paratrain.parallel.pipeline.tied import TiedWeights
 from paratrain.parallel.pipeline.timeline import Event, Kind
 
@@ -70,6 +71,9 @@ class PipelineStage(ParallelModule):
     tied: the weights this stage shares with other stages (tied.py).
     names: each parameter's name in the whole model (a tied weight's first name there).
     ordered_pairs: check the schedule for a backend that ignores p2p tags (NCCL; check.py).
+    sharded: the replicas under ZeRO stage 1 or 2 (sharded.py), whose gradient syncs replace
+        DDP's; `holders` then names every rank of this pipeline and its replicas, which between
+        them hold the whole gradient.
     """
 
     supports_token_weights = False  # micro-batches are cut inside the schedule (Session refuses weight=)
@@ -80,7 +84,8 @@ class PipelineStage(ParallelModule):
                  run: Callable[[Any], Any] | None = None, tied: TiedWeights | None = None,
                  names: dict[nn.Parameter, str] | None = None, loss: LossFn | None = None,
                  virtual: int = 1, runs: list[Callable[[Any], Any]] | None = None,
-                 chunk_params: list[list[nn.Parameter]] | None = None, ordered_pairs: bool = False):
+                 chunk_params: list[list[nn.Parameter]] | None = None, ordered_pairs: bool = False,
+                 sharded: ShardedReplicas | None = None, holders: dist.ProcessGroup | None = None):
         super().__init__()
         self.module = module
         self.runs = runs or [run or module]
@@ -102,7 +107,9 @@ class PipelineStage(ParallelModule):
         self.replicas = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.replica_index = dist.get_rank(dp_group) if dp_group is not None else 0
         self._chunk_params = chunk_params or [[p for p in module.parameters()]]
-        self._grad_syncs = [self._replica_sync(params) for params in self._chunk_params] if self.replicas > 1 else None
+        self.sharded, self.holders = sharded, holders
+        self._grad_syncs = sharded.syncs if sharded is not None else \
+            [self._replica_sync(params) for params in self._chunk_params] if self.replicas > 1 else None
         self._last_weights = {a.stage: a for a in self.actions if a.op in (Op.B, Op.W)}  # each chunk's last
         self._model_shapes: dict[str, torch.Size] | None = None  # gathered on first use
         self._buffers_stale = True  # broadcast replica 0's buffers at the next forward (as DDP)
@@ -277,7 +284,9 @@ class PipelineStage(ParallelModule):
         the replicas (and only it: a sync never starts before its chunk's last W)."""
         if self._grad_syncs is not None:
             last = self._last_weights[a.stage] == a
-            self._grad_syncs[a.stage // self.stages].prepare(self.require_backward_grad_sync and last, unused=None)
+            # under ZeRO a parameter must take part (sharded.py); under DDP it may not
+            unused = () if self.sharded is not None else None
+            self._grad_syncs[a.stage // self.stages].prepare(self.require_backward_grad_sync and last, unused=unused)
 
     def _check_output(self, y: Any) -> None:
         if not all(torch.is_tensor(t) for t in tree_flatten(y)[0]):
@@ -316,8 +325,11 @@ class PipelineStage(ParallelModule):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over all stages' gradients: squares summed over the pipeline group
         (replicas hold equal gradients after their all-reduce, and a tied weight's copies equal
-        ones after theirs: each is counted once)."""
+        ones after theirs: each is counted once); under ZeRO, over this replica's slices, summed
+        over every stage and replica."""
         grads, group = self.local_grads()
+        if self.sharded is not None:
+            return clip_grad_norm_over(grads, max_norm, group)
         skip = self.tied.not_counted()
         counted = [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
         return clip_grad_norm_over(counted, max_norm, group, scale_also=grads)
@@ -325,7 +337,9 @@ class PipelineStage(ParallelModule):
     def local_grads(self) -> tuple[list[torch.Tensor], Any]:
         """This stage's gradients; the other stages' are on the other ranks of the pipeline
         (replicas of a stage hold equal ones after their all-reduce, so every pipeline reaches
-        the same verdict)."""
+        the same verdict); under ZeRO this replica's slices, the others on every rank of `holders`."""
+        if self.sharded is not None:
+            return self.sharded.grads(), self.holders
         return [p.grad for p in self.module.parameters() if p.grad is not None], self.pipe_group
 
     def check_loader(self, loader: Any) -> None:
@@ -346,13 +360,16 @@ class PipelineStage(ParallelModule):
 
     def checkpoint_layout(self) -> CheckpointLayout:
         """This stage's parameters, whole, under their names in the whole model (a tied weight
-        under its first one: its copies write one entry); the shapes of the whole model's."""
-        whole = CheckpointLayout.whole(self.module, shapes=self.model_shapes())
+        under its first one: its copies write one entry); the shapes of the whole model's. Under
+        ZeRO, the optimizer steps this replica's flat slices of them."""
+        flat = self.sharded.flat_layouts({p: self._name(p, user_key(n)) for n, p in self.module.named_parameters()}) \
+            if self.sharded is not None else None
+        whole = CheckpointLayout.whole(self.module, flat, shapes=self.model_shapes())
         params = {self._name(p, n): p for n, p in whole.params.items()}
         first = {n: self._name(p, n) for n, p in whole.params.items()}
         aliases = {**{n: f for n, f in first.items() if n != f},
                    **{a: first[n] for a, n in whole.aliases.items()}}
-        return CheckpointLayout(params, {}, False, whole.buffers, whole.shapes, aliases, whole.persistent)
+        return CheckpointLayout(params, whole.flat, False, whole.buffers, whole.shapes, aliases, whole.persistent)
 
     def default_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         """The last stage's head returns outputs, not the model's loss: the cut's loss, if it has one."""

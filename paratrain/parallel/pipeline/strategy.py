@@ -28,6 +28,7 @@ from paratrain.distributed.grid import ProcessGrid
 from paratrain.distributed.topology import Topology
 from paratrain.errors import ConfigError
 from paratrain.parallel.base import Strategy, uncompiled
+from paratrain.parallel.ddp import bucket_caps
 from paratrain.parallel.pipeline.actions import Action, with_comm
 from paratrain.parallel.pipeline.adapters import cut_for
 from paratrain.parallel.pipeline.check import check
@@ -35,8 +36,11 @@ from paratrain.parallel.pipeline.cut import Cut
 from paratrain.parallel.pipeline.partition import BALANCES, layer_costs
 from paratrain.parallel.pipeline.plan import StagePlan, plan_cut, plan_sequential
 from paratrain.parallel.pipeline.schedules import SCHEDULES
+from paratrain.parallel.pipeline.sharded import ShardedReplicas
 from paratrain.parallel.pipeline.stage import PipelineStage
 from paratrain.parallel.pipeline.tied import TiedWeights, holders
+from paratrain.parallel.zero.optim import param_groups_of
+from paratrain.parallel.zero.stage12 import ShardedOptimizer
 
 
 @dataclass(frozen=True)
@@ -72,16 +76,22 @@ class Pipeline(Strategy):
         """Rows of `stages` ranks are pipelines; the rest of the world is replicas."""
         return ProcessGrid(topology, pp=self.stages)
 
-    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
+    def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None,
+              replicas: Strategy | None = None):
         """This rank's stage on its device, its replicas starting from the first replica's
         parameters, its tied weights from the lowest stage holding them, and the optimizer
         rebuilt for the stage (`stage_optimizer`). Collective: every rank asks the grid for the
-        same groups, in the same order."""
+        same groups, in the same order.
+
+        replicas: how a stage's replicas share their work: None (or DDP) average their
+        gradients; a ZeRO stage 1 or 2 strategy (`pt.Mesh(pp=..., dp="zero1")`) shards the
+        optimizer state, and the gradients under stage 2, over them (sharded.py)."""
         entire = model if isinstance(model, nn.Module) else nn.ModuleList(model)  # or a list of stages
         names = {p: n for n, p in entire.named_parameters()}  # a tied weight: its first name
         materializer = Materializer(entire, init) if has_meta(entire) else None  # read while whole
         plan = self._plan(model)
         tied = self._tied_ranks(plan.holdings)
+        zero = _zero_stage(replicas, optimizer, bool(tied))
         chunks = [c * self.stages + grid.stage for c in range(self.virtual)]  # this rank's virtual stages
         chunk_params = [plan.holdings[k] for k in chunks]
         module, runs = plan.build(chunks)
@@ -99,12 +109,21 @@ class Pipeline(Strategy):
                     tied_weights.add(p, group, lowest=grid.stage == ranks[0])
         broadcast_coalesced([*module.parameters(), *module.buffers()], dp_group)
         tied_weights.broadcast()
+        optimizer = stage_optimizer(optimizer, module) if optimizer is not None else None
+        sharded, holders = None, None
+        if zero:
+            holders, _ = grid.group("pp", "dp")
+            if grid.dp > 1:
+                sharded = ShardedReplicas(chunk_params, names, dp_group, stage=zero,
+                                          group_of=param_groups_of(module, optimizer),
+                                          caps=bucket_caps(replicas.bucket_cap_mb, None),
+                                          collectives=replicas.collectives)
         stage = PipelineStage(module, stage=grid.stage, stages=self.stages, schedule=SCHEDULES[self.schedule],
                               microbatches=self.microbatches, pipe_group=pipe_group, dp_group=dp_group,
                               device=grid.topology.device, runs=runs, tied=tied_weights, names=names,
                               loss=plan.loss, virtual=self.virtual, chunk_params=chunk_params,
-                              ordered_pairs=grid.topology.backend == "nccl")
-        return stage, stage_optimizer(optimizer, module) if optimizer is not None else None
+                              ordered_pairs=grid.topology.backend == "nccl", sharded=sharded, holders=holders)
+        return stage, ShardedOptimizer(optimizer, sharded) if sharded is not None else optimizer
 
     def action_lists(self) -> list[list[Action]]:
         """Each rank's checked action list for one step (actions.py, check.py)."""
@@ -147,6 +166,27 @@ class Pipeline(Strategy):
             return plan_sequential(model, self.stages * self.virtual, costs)
         return plan_cut(model, self.stages * self.virtual, cut_for(model, self.layers, self.cut), self.split_at,
                         self.balance)
+
+
+def _zero_stage(replicas: Strategy | None, optimizer, tied: bool) -> int:
+    """0 where the replicas average their gradients (DDP), else the ZeRO stage they run; refused
+    where the pipeline cannot run it (the same verdict on every rank: nothing here differs)."""
+    if replicas is None or replicas.name == "ddp":
+        return 0
+    if replicas.name not in ("zero1", "zero2"):
+        raise ConfigError(f"a pipeline's replicas average their gradients (ddp) or shard the optimizer (zero1, "
+                          f"zero2); got {replicas.name!r}. ZeRO-3 would gather each chunk's parameters for every "
+                          "micro-batch: use zero2, which shards gradients and optimizer state")
+    if replicas.param_dtype is not None or replicas.offload:
+        raise ConfigError(f"a pipeline's {replicas.name} replicas keep no master copies yet: leave "
+                          "ZeRO(param_dtype=None, offload=False), and use pt.Session(precision='bf16') for "
+                          "mixed precision")
+    if optimizer is None:
+        raise ConfigError(f"{replicas.name} shards the optimizer: pass it to setup(model, optimizer, …)")
+    if tied:
+        raise ConfigError(f"a weight tied across pipeline stages cannot be sharded by {replicas.name} yet (each "
+                          "stage's slices of it would differ): untie it, or use dp='ddp'")
+    return replicas.stage
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, stage: nn.Module) -> torch.optim.Optimizer:

@@ -56,6 +56,7 @@ from paratrain.parallel.zero import ZeRO
 CP_MODES = ("ring", "all-to-all", "all-gather")
 
 # what may run over the tp groups, by name (the registry's names for these five)
+PIPELINE_REPLICAS = ("ddp", "zero1", "zero2")  # what a pipeline's replicas may run (pipeline/sharded.py)
 DATA_PARALLEL = {"ddp": DDP, "hierarchical": Hierarchical, "zero1": functools.partial(ZeRO, stage=1),
                  "zero2": functools.partial(ZeRO, stage=2), "zero3": functools.partial(ZeRO, stage=3)}
 
@@ -111,10 +112,13 @@ class Mesh(Strategy):
             raise ConfigError(f"Mesh(replicate={self.replicate}) is hybrid sharding: ZeRO-3 within each group, "
                               f"gradients all-reduced across the groups; it takes dp='zero3' (got {self.dp!r}) "
                               "and does not compose with pp or cp yet")
-        if self.pp is not None and (not isinstance(self.pp, Pipeline) or inner.name != "ddp"):
+        if self.pp is not None and (not isinstance(self.pp, Pipeline) or inner.name not in PIPELINE_REPLICAS):
             raise ConfigError(f"Mesh(pp=...) takes a pt.Pipeline(stages=..., microbatches=...), whose replicas "
-                              f"average their gradients as ddp does: leave dp='ddp'; got pp={self.pp!r}, "
-                              f"dp={self.dp!r}")
+                              f"average their gradients (dp='ddp') or shard the optimizer (dp='zero1' or "
+                              f"'zero2'); got pp={self.pp!r}, dp={self.dp!r}")
+        if self.pp is not None and inner.name != "ddp" and self.tp > 1:
+            raise ConfigError(f"Mesh(tp={self.tp}, pp=..., dp={self.dp!r}): a pipeline of tensor-parallel stages "
+                              "takes dp='ddp' yet; with tp=1 its replicas may run zero1 or zero2")
 
     def __hash__(self) -> int:
         return hash((self.tp, str(self.dp), self.pp, self.cp, self.cp_mode, self.cp_positions, self.replicate,
@@ -149,6 +153,8 @@ class Mesh(Strategy):
 
     def _data_parallel(self, model: nn.Module, optimizer, grid: ProcessGrid, init: MetaInit | None):
         inner = self.data_parallel()
+        if self.pp is not None:  # the pipeline cuts the model; its replicas run `inner`
+            return self.pp.setup(model, optimizer, grid, init=init, replicas=inner)
         if grid.dp == 1 and inner.name == "ddp":  # nothing to average: no DDP hooks
             return SingleDevice(whole(model, init).to(grid.topology.device)), optimizer
         return inner.setup(model, optimizer, grid, init=init)
