@@ -72,7 +72,8 @@ def label(strategy: Strategy) -> str:
         return f"pipeline {strategy.stages}x{strategy.microbatches}"
     if isinstance(strategy, Mesh):
         dims = "".join(f"{d}{n} x " for d, n in (("tp", strategy.tp), ("cp", strategy.cp)) if n > 1)
-        return f"{dims}{label(inner_strategy(strategy))}"
+        sharded = strategy.pp is not None and strategy.data_parallel().name != "ddp"  # the replicas' ZeRO
+        return f"{dims}{label(inner_strategy(strategy))}" + (f" x {label(strategy.data_parallel())}" if sharded else "")
     if not isinstance(strategy, ZeRO):
         return strategy.name
     dtype = next((f"+{name}" for name, d in PRECISIONS.items() if d is not None and d == strategy.param_dtype), "")

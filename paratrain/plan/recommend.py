@@ -174,6 +174,9 @@ def _mesh_time(source: ModelSource, strategy: Mesh, step: StepCount, cluster: Cl
     tp, cp = strategy.tp, strategy.cp
     if gpus % (tp * cp):
         raise ConfigError(f"tp={tp} × cp={cp} does not divide {gpus} devices")
+    if strategy.pp is not None and strategy.data_parallel().name != "ddp":  # sharded replicas: tp is 1
+        return _sharded_pipeline_time(source, strategy.pp, step, cluster, gpus=gpus, nodes=nodes, facts=facts,
+                                      accumulate=accumulate)
     stages = strategy.pp.stages if strategy.pp is not None else 1
     cut = source if tp == 1 else ModelSource(source.name, lambda: tensor_parallel.cut_copy(source.shared, strategy),
                                              source.default_seq)
@@ -189,6 +192,26 @@ def _mesh_time(source: ModelSource, strategy: Mesh, step: StepCount, cluster: Cl
     bubble = inner.bubble * share * (1 + comm / compute) if compute else inner.bubble
     return dataclasses.replace(inner, compute=compute, bubble=bubble, exposed_comm=inner.exposed_comm + comm,
                                comm=inner.comm + comm)
+
+
+def _sharded_pipeline_time(source: ModelSource, pipe: Pipeline, step: StepCount, cluster: Cluster, *, gpus: int,
+                           nodes: int, facts: ModelFacts, accumulate: int) -> step_time.StepTime:
+    """A pipeline whose replicas run ZeRO-1 or 2 (pipeline/sharded.py): the DDP pipeline's step,
+    its reductions costed as all-reduces (what gloo runs; a reduce-scatter elsewhere is no
+    slower), then each replica steps its slices of the fullest stage's buckets and gathers the
+    stage's parameters back, exposed."""
+    seconds = predict_time(source, pipe, step, cluster, gpus=gpus, nodes=nodes, facts=facts, accumulate=accumulate)
+    replicas = gpus // pipe.stages
+    if replicas == 1:
+        return seconds
+    buckets = traffic(source.shared, pipe, world=gpus, local_world=gpus // nodes).buckets  # the fullest stage's
+    group = _stage_replicas(replicas, gpus, nodes)
+    gather = sum(step_time.gather_from_owners(b, group, cluster, all_gather=cluster.backend != "gloo")
+                 for _, b in buckets)
+    optimizer = step_time.optimizer_seconds(sum(n for n, _ in buckets) // replicas, cluster, world=gpus, nodes=nodes,
+                                            tensors=[max(1, n // replicas) for n, _ in buckets])
+    return dataclasses.replace(seconds, exposed_comm=seconds.exposed_comm + gather, comm=seconds.comm + gather,
+                               optimizer=optimizer)
 
 
 def _collectives(strategy: Strategy, compute: step_time.Compute, *, sent, cluster: Cluster, gpus: int, nodes: int,

@@ -56,6 +56,26 @@ def test_the_ranking_is_the_fastest_fitting_rows_each_as_the_planner_times_it(gp
     assert rows[0]["session"] in text and text.count("pt.Session(") == 4
 
 
+def test_a_pipeline_whose_replicas_shard_the_optimizer_fits_where_averaging_replicas_do_not(gpt):
+    source, facts, cluster = gpt
+    pipe = pt.Pipeline(stages=2, microbatches=4)
+    assert pt.Mesh(dp="zero1", pp=pipe) in [s for s, _ in candidates(source, facts, cluster, gpus=16, nodes=2)]
+    ddp, zero1 = (timed_rows(source, facts, facts.step, cluster, [pt.Mesh(dp=dp, pp=pipe)], gpus=16, nodes=2,
+                             optimizer="adam", accumulate=1)[0] for dp in ("ddp", "zero1"))
+    assert zero1["label"] == "pipeline 2x4 x zero1" and "dp='zero1', pp=pt.Pipeline(stages=2" in zero1["session"]
+    replicas = 16 // 2
+    assert zero1["optimizer"] < ddp["optimizer"] / replicas * 1.01  # each replica's slice, padded
+    assert zero1["params"] >= ddp["params"] and zero1["device_peak"] < ddp["device_peak"]
+    # the same step, then the stage's parameters gathered back over its replicas
+    assert zero1["exposed_comm_seconds"] > ddp["exposed_comm_seconds"]
+    assert zero1["compute_seconds"] == ddp["compute_seconds"]
+    small = dataclasses.replace(cluster, device_memory=(zero1["device_peak"] + ddp["device_peak"]) // 2)
+    fits = {r["session"]: r["fits"] for r in timed_rows(source, facts, facts.step, small, [pt.Mesh(dp=dp, pp=pipe)
+                                                                                          for dp in ("ddp", "zero1")],
+                                                        gpus=16, nodes=2, optimizer="adam", accumulate=1)}
+    assert list(fits.values()) == [False, True]
+
+
 def test_a_device_too_small_for_every_candidate_finds_nothing(gpt):
     source, facts, cluster = gpt
     tiny = dataclasses.replace(cluster, device_memory=1024)

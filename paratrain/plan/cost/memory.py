@@ -312,6 +312,8 @@ def _mesh(m: _Model, strategy: Mesh, local_world: int) -> list[RankMemory]:
     the pipeline's over them (pp × dp); activations cut as the papers measure, and the ring's K, V
     blocks in flight (plan/cost/context_parallel.py)."""
     tp, cp = strategy.tp, strategy.cp
+    if strategy.pp is not None and strategy.data_parallel().name != "ddp":  # sharded replicas: tp is 1
+        return _pipeline(m, strategy.pp, strategy.data_parallel())
     if m.world % (tp * cp):
         raise ConfigError(f"tp={tp} × cp={cp} does not divide the world size {m.world}")
     checkpointed = m.step is not None and bool(m.step.checkpointed)  # what is kept are block inputs
@@ -327,9 +329,12 @@ def _mesh(m: _Model, strategy: Mesh, local_world: int) -> list[RankMemory]:
     return [ranks[r // tp] for r in range(m.world)]  # rank r is (pp ×) dp × cp rank r // tp (distributed/grid.py)
 
 
-def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
+def _pipeline(m: _Model, strategy: Pipeline, sharded: ZeRO | None = None) -> list[RankMemory]:
     """Each stage's parameters whole (Pipeline.holdings); replicas of a stage average their
-    gradients in DDP's buckets, which are the gradients (padded to 1)."""
+    gradients in DDP's buckets, which are the gradients (padded to 1), or under ZeRO stage 1 or 2
+    (`sharded`, pipeline/sharded.py) hold what `_zero12` gives for the stage over its replicas,
+    every bucket filling through the step's micro-batches as in an accumulation window. (The
+    stage lays out buckets per chunk; with virtual > 1 each chunk's padding is not counted.)"""
     if m.world % strategy.stages:
         raise ConfigError(f"pipeline stages={strategy.stages} must divide the world size {m.world}")
     if strategy.balance == "time":
@@ -355,6 +360,11 @@ def _pipeline(m: _Model, strategy: Pipeline) -> list[RankMemory]:
         in_flight = alive[s] / strategy.virtual  # GPipe m, 1F1B min(m, p - s) (schedules.py)
         extra = rest if s == strategy.stages - 1 else 0
         activations = round((saved[s] * in_flight + extra) / (replicas * micro * m.accumulate))
+        if sharded is not None:
+            own = dataclasses.replace(m, module=nn.ParameterList(params), trainable=trainable, world=replicas,
+                                      accumulate=m.accumulate * micro)
+            stages.append(dataclasses.replace(_zero12(own, sharded), activations=activations))
+            continue
         plain = _plain(m.state, params, activations, m.foreach)
         stages.append(RankMemory(params=plain.params, grads=grads, optimizer=plain.optimizer,
                                  activations=activations, weight_copies=m.copies(params), workspace=plain.workspace))

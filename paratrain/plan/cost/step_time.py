@@ -238,12 +238,13 @@ def zero12(compute: Compute, bucket_bytes: list[int], bucket_elements: list[int]
         return StepTime(compute.forward + compute.backward, 0.0)
     reduce = comm_model.reduce_scatter if scatter else comm_model.all_reduce
     times = [reduce(b, group, cluster) for b in bucket_bytes]
-    gather = [_gather_from_owners(b, group, cluster, all_gather=scatter) for b in param_bucket_bytes]
+    gather = [gather_from_owners(b, group, cluster, all_gather=scatter) for b in param_bucket_bytes]
     exposed = bucket_overlap(compute.backward, bucket_elements, times) + sum(gather)
     return StepTime(compute.forward + compute.backward, exposed, comm=sum(times) + sum(gather))
 
 
-def _gather_from_owners(nbytes: float, group: Group, cluster: Cluster, *, all_gather: bool) -> float:
+def gather_from_owners(nbytes: float, group: Group, cluster: Cluster, *, all_gather: bool) -> float:
+    """Seconds to give every rank of `group` the owners' updated slices of `nbytes` (zero/collectives.py)."""
     if all_gather:
         return comm_model.all_gather(nbytes, group, cluster)
     return group.ranks * comm_model.broadcast(nbytes / group.ranks, group, cluster)
