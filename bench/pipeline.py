@@ -1,4 +1,4 @@
-"""Benchmark: our GPipe and 1F1B against torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B.
+"""Benchmark: our pipeline schedules against torch.distributed.pipelining's, on the same cuts.
 
     python bench/pipeline.py [--rounds 10] [--steps 6] [--batch 1024] [--microbatches 4 8] [--gpt-batch 32] [--quick]
 
@@ -39,6 +39,14 @@ of `--batch`. Ours: `Pipeline(stages=2)`, whose replicas average gradients throu
 path during the last micro-batch's backward. Torch: its `PipelineStage` over a torch
 `DistributedDataParallel` of the same half (torch's schedule runs `no_sync()` on every backward
 but the last), groups sliced the same way. Timed as phase 2; reported in `replicas`.
+
+Phase 5, schedules with less bubble: world 2, at the largest `--microbatches`. Ours:
+`Pipeline(stages=2, virtual=2, schedule="interleaved-1f1b")` (the model cut into 4 chunks, rank s
+holding chunks s and s + 2) and `schedule="zb-h1"`; torch: `ScheduleInterleaved1F1B` over
+`PipelineStage`s of deep copies of the same 4 chunks on the same ranks, and
+`ScheduleInterleavedZeroBubble` over one stage per rank (the zero-bubble schedule of ZB-H1's shape:
+backward split into input and weight gradients). Both as phase 2, with our 1F1B timed in the
+same rounds: reported in `schedules`, with each schedule's gain over our 1F1B.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import os
 import statistics
 import sys
 import time
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -90,10 +99,10 @@ def model() -> nn.Sequential:
 
 
 class Ours:
-    """paratrain's Pipeline strategy on this rank's half."""
+    """paratrain's Pipeline strategy on this rank's half (with `virtual`, its chunks)."""
 
-    def __init__(self, topo, schedule: str, m: int):
-        strategy = Pipeline(stages=STAGES, schedule=schedule, microbatches=m)
+    def __init__(self, topo, schedule: str, m: int, virtual: int = 1):
+        strategy = Pipeline(stages=STAGES, schedule=schedule, microbatches=m, virtual=virtual)
         self.stage, _ = strategy.setup(model(), None, strategy.grid(topo))
         self.module = self.stage.module
         self.opt = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=0.9)
@@ -120,6 +129,38 @@ class Torch:
             self.schedule.step(x)
         else:
             self.schedule.step(target=y, losses=[])
+
+
+class TorchChunks(Torch):
+    """torch's multi-stage schedule (`kind`) over this rank's `virtual` chunks, virtual stages
+    rank, rank + STAGES, ... of the model cut into STAGES × virtual parts, as ours cuts it."""
+
+    def __init__(self, topo, kind, m: int, group, virtual: int):
+        from torch.distributed.pipelining import PipelineStage
+
+        self.index = topo.rank  # the last virtual stage is on the last rank: it takes the targets
+        parts = split_model(model(), STAGES * virtual)
+        mine = [c * STAGES + self.index for c in range(virtual)]
+        copies = [copy.deepcopy(parts[k]) for k in mine]
+        # one module with the chunks' layers under their names in the model, as our stage holds them
+        self.module = nn.Sequential(OrderedDict((n, layer) for part in copies for n, layer in part._modules.items()))
+        stages = [PipelineStage(part, k, STAGES * virtual, torch.device("cpu"), group=group)
+                  for part, k in zip(copies, mine)]
+        self.schedule = kind(stages, m, loss_fn=F.cross_entropy)
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=0.9)
+
+
+def build_schedules(topo, m: int) -> dict:
+    """Phase 5's implementations: our 1F1B, interleaved 1F1B (v=2) and ZB-H1 against torch's
+    ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble on the same cuts."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+
+    torch_group = dist.new_group([0, 1])
+    return {"ours-1f1b": Ours(topo, "1f1b", m),
+            "ours-interleaved": Ours(topo, "interleaved-1f1b", m, virtual=2),
+            "torch-interleaved": TorchChunks(topo, ScheduleInterleaved1F1B, m, torch_group, virtual=2),
+            "ours-zb": Ours(topo, "zb-h1", m),
+            "torch-zb": TorchChunks(topo, ScheduleInterleavedZeroBubble, m, torch_group, virtual=1)}
 
 
 class TorchReplicated(Torch):
@@ -255,6 +296,12 @@ def speed(topo, m: int, batch: int, warmup: int, rounds: int, steps: int) -> dic
     return timed(build(topo, m), x, y, warmup, rounds, steps)
 
 
+def speed_schedules(topo, m: int, batch: int, warmup: int, rounds: int, steps: int) -> dict:
+    """Phase 5: as phase 2, the schedules with less bubble."""
+    x, y = batch_of(batch)
+    return timed(build_schedules(topo, m), x, y, warmup, rounds, steps)
+
+
 def speed_replicated(topo, m: int, batch: int, warmup: int, rounds: int, steps: int) -> dict:
     """Phase 3: as phase 2, 2 stages × 2 replicas, each replica on its half of the batch."""
     x, y = batch_of(batch)
@@ -283,7 +330,7 @@ def timed(impls: dict, x, y, warmup: int, rounds: int, steps: int) -> dict:
         warm.clear()  # keep the timed steps only
     times = interleave(run_block, names, rounds, steps)
     diff = {s: max_param_diff(impls[f"ours-{s}"].module, impls[f"torch-{s}"].module)
-            for s in ("gpipe", "1f1b") if f"ours-{s}" in impls}
+            for s in {n.split("-", 1)[1] for n in names} if f"ours-{s}" in impls and f"torch-{s}" in impls}
     return dict(times=times, cpu=cpu, diff=diff)
 
 
@@ -317,6 +364,24 @@ def bench_replicated(m: int, args) -> dict:
     return dict(schedule="1f1b", stages=STAGES, replicas=2, microbatches=m, ours_ms=ms["ours-1f1b"],
                 torch_ms=ms["torch-1f1b"], ratio=ms["ours-1f1b"] / ms["torch-1f1b"],
                 max_param_diff=max(r["diff"]["1f1b"] for r in results))
+
+
+def bench_schedules(m: int, args) -> list[dict]:
+    """Phase 5's rows: interleaved 1F1B and ZB-H1, ours against torch, and each one's gain over
+    our 1F1B at the same p and m."""
+    results = run_on_ranks(speed_schedules, WORLD, m, args.batch, args.warmup, args.rounds, args.steps,
+                           threads=THREADS, timeout=1200, collective_timeout=300)
+    names = ("ours-1f1b", "ours-interleaved", "torch-interleaved", "ours-zb", "torch-zb")
+    ms = {name: 1e3 * statistics.median(slowest_rank([r["times"][name] for r in results])) for name in names}
+    rows = []
+    for key, schedule, virtual, theirs in (("interleaved", "interleaved-1f1b", 2, "ScheduleInterleaved1F1B"),
+                                           ("zb", "zb-h1", 1, "ScheduleInterleavedZeroBubble")):
+        ours = ms[f"ours-{key}"]
+        rows.append(dict(schedule=schedule, virtual=virtual, microbatches=m, torch_schedule=theirs, ours_ms=ours,
+                         torch_ms=ms[f"torch-{key}"], ratio=ours / ms[f"torch-{key}"],
+                         ours_1f1b_ms=ms["ours-1f1b"], gain_over_1f1b=ms["ours-1f1b"] / ours,
+                         max_param_diff=max(r["diff"][key] for r in results)))
+    return rows
 
 
 def bench_gpt(args) -> dict:
@@ -384,6 +449,8 @@ def main(argv=None) -> None:
     replicated = bench_replicated(max(args.microbatches), args)
     print(f"benchmarking the GPT cut at {GPT_SPLIT[0]}, 1f1b m={GPT_MICROBATCHES} ...", flush=True)
     gpt = bench_gpt(args)
+    print(f"benchmarking interleaved 1f1b and zb-h1, m={max(args.microbatches)} ...", flush=True)
+    schedules = bench_schedules(max(args.microbatches), args)
     _report(rows)
     print_table([replicated], [("stages", "stages", "d"), ("replicas", "replicas", "d"),
                                ("microbatches", "m", "d"), ("ours_ms", "ours ms", ".1f"),
@@ -392,9 +459,15 @@ def main(argv=None) -> None:
     print_table([gpt], [("model", "model", ""), ("split_at", "split at", ""), ("microbatches", "m", "d"),
                         ("ours_ms", "ours ms", ".1f"), ("torch_ms", "torch ms", ".1f"), ("ratio", "ratio", ".3f"),
                         ("max_param_diff", "max diff", ".1e")])
-    if gpt["ratio"] > 1.0:
-        print(f"targets missed: gpt 1f1b: ratio {gpt['ratio']:.3f} > 1.00")
-    write_results(args, settings, load_before, ranks=2 * WORLD, results=rows, replicas=replicated, gpt=gpt)
+    print_table(schedules, [("schedule", "schedule", ""), ("virtual", "v", "d"), ("microbatches", "m", "d"),
+                            ("torch_schedule", "torch's", ""), ("ours_ms", "ours ms", ".1f"),
+                            ("torch_ms", "torch ms", ".1f"), ("ratio", "ratio", ".3f"),
+                            ("gain_over_1f1b", "gain over 1f1b", ".3f"), ("max_param_diff", "max diff", ".1e")])
+    missed = [f"{r['schedule']}: ratio {r['ratio']:.3f} > 1.00" for r in [gpt, *schedules] if r["ratio"] > 1.0]
+    if missed:
+        print("targets missed: " + "; ".join(missed))
+    write_results(args, settings, load_before, ranks=2 * WORLD, results=rows, replicas=replicated, gpt=gpt,
+                  schedules=schedules)
 
 
 if __name__ == "__main__":
