@@ -10,8 +10,9 @@ What is searched, for the global batch the command gives (recommend.py times eac
     pp              a pipeline of 2, 4, 8 … stages, at most the model's blocks and dividing what
                     tp · cp leave; its replicas average as ddp does, or with tp = 1 also shard
                     the optimizer state (zero1; Mesh refuses ZeRO with tp > 1 and pp)
-    virtual         1, or 2 chunks per rank (schedule "interleaved-1f1b") where the blocks divide
-                    into pp · 2 and the micro-batches into pp
+    schedule        1f1b; interleaved-1f1b with 2 chunks per rank (virtual) where the blocks divide
+                    into pp · 2 and the micro-batches into pp; zb-h1 where there are at least pp
+                    micro-batches
     dp strategy     ddp, zero1, zero2, zero3 over the remaining dp ranks (with pp, as above); under
                     --precision bf16 or fp16, also ZeRO with param_dtype of that precision: its
                     parameters held, gathered and reduced in it, so autocast copies no weight
@@ -83,6 +84,8 @@ def candidates(source: ModelSource, facts: ModelFacts, cluster: Cluster, *, gpus
                 yield Mesh(tp=tp, dp="ddp", pp=Pipeline(stages=pp, microbatches=m)), 1
                 if tp == 1:  # Megatron's distributed optimizer: the replicas shard the optimizer state
                     yield Mesh(dp="zero1", pp=Pipeline(stages=pp, microbatches=m)), 1
+                if m >= pp:  # zero bubble: the weight gradients fill the idle slots
+                    yield Mesh(tp=tp, dp="ddp", pp=Pipeline(stages=pp, microbatches=m, schedule="zb-h1")), 1
                 if blocks % (2 * pp) == 0 and m % pp == 0:
                     yield Mesh(tp=tp, dp="ddp", pp=Pipeline(stages=pp, microbatches=m, virtual=2,
                                                             schedule="interleaved-1f1b")), 1

@@ -30,6 +30,7 @@ def test_the_candidates_cover_every_dimension_and_only_shapes_that_divide(gpt):
     assert {m.tp for m in meshes} == {1, 2, 4, 8} and {m.cp for m in meshes} == {1, 2, 4, 8}
     piped = [m.pp for m in meshes if m.pp is not None]
     assert {p.stages for p in piped} == {2, 4} and {p.virtual for p in piped} == {1, 2}
+    assert {p.schedule for p in piped} == {"1f1b", "interleaved-1f1b", "zb-h1"}
     assert all(m.cp == 1 for m in meshes if m.pp is not None)  # Mesh refuses cp with pp
     assert {k for _, k in found} == {1, 2, 4, 8}
     for strategy, k in found:
@@ -74,6 +75,20 @@ def test_a_pipeline_whose_replicas_shard_the_optimizer_fits_where_averaging_repl
                                                                                           for dp in ("ddp", "zero1")],
                                                         gpus=16, nodes=2, optimizer="adam", accumulate=1)}
     assert list(fits.values()) == [False, True]
+
+
+def test_zero_bubble_is_timed_faster_than_1f1b_with_as_many_microbatches_alive(gpt):
+    """ZB-H1 (Qi et al. 2023): a third of 1F1B's idle slots; at most p micro-batches alive on a
+    stage, as on 1F1B's first, but on every stage (1F1B's stage s holds p − s), so the fullest
+    rank's activations may grow."""
+    source, facts, cluster = gpt
+    rows = {schedule: timed_rows(source, facts, facts.step, cluster,
+                                 [pt.Mesh(pp=pt.Pipeline(stages=4, microbatches=8, schedule=schedule))],
+                                 gpus=16, nodes=2, optimizer="adam", accumulate=1)[0] for schedule in ("1f1b", "zb-h1")}
+    one, zb = rows["1f1b"], rows["zb-h1"]
+    assert zb["bubble_seconds"] == pytest.approx(one["bubble_seconds"] / 3)
+    assert zb["step_seconds"] < one["step_seconds"] and zb["activations"] >= one["activations"]
+    assert "schedule='zb-h1'" in zb["session"]
 
 
 def test_a_device_too_small_for_every_candidate_finds_nothing(gpt):
