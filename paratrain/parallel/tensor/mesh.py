@@ -74,7 +74,7 @@ class Mesh(Strategy):
     cp: int = 1  # ranks that split each sequence (parallel/context/)
     cp_mode: str = "ring"  # "ring" (K, V passed around), "all-to-all" (heads scattered: Ulysses), "all-gather"
     cp_positions: bool = True  # under cp, torch.arange(local length) gives the tokens' global positions
-    replicate: int = 1  # hybrid sharding (dp="zero3"): groups that each hold the whole sharded model
+    replicate: int = 1  # hybrid sharding (dp="zero1" to "zero3"): groups that each hold the whole sharded model
     sequence_parallel: bool = False  # outside the cut layers, activations cut along the sequence over tp
     loss_parallel: bool = False  # the head's logits stay cut by the vocabulary; cross-entropy across tp
 
@@ -108,10 +108,11 @@ class Mesh(Strategy):
         if self.tp_plan is not None:
             object.__setattr__(self, "tp_plan", dict(self.tp_plan))
         inner = self.data_parallel()  # refuse an unknown name now, not at setup
-        if self.replicate > 1 and (inner.name != "zero3" or self.pp is not None or self.cp > 1):
-            raise ConfigError(f"Mesh(replicate={self.replicate}) is hybrid sharding: ZeRO-3 within each group, "
-                              f"gradients all-reduced across the groups; it takes dp='zero3' (got {self.dp!r}) "
-                              "and does not compose with pp or cp yet")
+        if self.replicate > 1 and (inner.name not in ("zero1", "zero2", "zero3") or self.pp is not None
+                                   or self.cp > 1):
+            raise ConfigError(f"Mesh(replicate={self.replicate}) is hybrid sharding: ZeRO within each group, "
+                              f"gradients all-reduced across the groups; it takes dp='zero1', 'zero2' or 'zero3' "
+                              f"(got {self.dp!r}) and does not compose with pp or cp yet")
         if self.pp is not None and (not isinstance(self.pp, Pipeline) or inner.name not in PIPELINE_REPLICAS):
             raise ConfigError(f"Mesh(pp=...) takes a pt.Pipeline(stages=..., microbatches=...), whose replicas "
                               f"average their gradients (dp='ddp') or shard the optimizer (dp='zero1' or "

@@ -61,8 +61,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
 
     A model built on the meta device gets its values by `init`'s rule (components/materialize.py) on
     `device` (default: the group's): whole for stages 1 and 2, and for stage 3 unit by unit,
-    each rank keeping only its shards. `replicate_group` (stage 3): hybrid sharding, the groups
-    holding the same shards as `process_group`'s ranks (stage3.py).
+    each rank keeping only its shards. `replicate_group`: hybrid sharding, the groups holding the
+    same shards as `process_group`'s ranks (stage3.py, stage12.py).
     """
     device = device or group_device(process_group)
     if offload:
@@ -72,7 +72,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pro
             model = whole(model, init).to(device)
         return shard_data_parallel(model, optimizer, stage=stage, process_group=process_group,
                                    bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
-                                   collectives=collectives, param_dtype=param_dtype, offload=offload)
+                                   collectives=collectives, param_dtype=param_dtype, offload=offload,
+                                   replicate_group=replicate_group)
     if stage == 3:
         wrapped = FullyShardedDataParallel(model, group_of=param_groups_of(model, optimizer),
                                            process_group=process_group, wrap_policy=wrap_policy,
@@ -98,7 +99,7 @@ class ZeRO(Strategy):
     param_dtype: torch.dtype | None = None  # compute/reduce/gather in bf16 or fp16, fp32 masters
     offload: bool = False  # master shards and optimizer state in CPU memory, stepped there
     collectives: OwnerCollectives | None = None  # None: the fastest on the backend
-    replicate: int = 1  # stage 3: hybrid sharding, shard within world / replicate ranks, all-reduce across
+    replicate: int = 1  # hybrid sharding: shard within world / replicate ranks, all-reduce across
 
     @property
     def name(self) -> str:
@@ -108,9 +109,6 @@ class ZeRO(Strategy):
         if not isinstance(self.replicate, int) or self.replicate < 1:
             raise ConfigError(f"ZeRO(replicate=...) is the number of groups that each hold the whole sharded "
                               f"model, a positive integer; got {self.replicate!r}")
-        if self.replicate > 1 and self.stage != 3:
-            raise ConfigError(f"ZeRO(stage={self.stage}, replicate={self.replicate}): hybrid sharding is built for "
-                              "stage 3 only yet; use ZeRO(stage=3, replicate=...), or replicate=1")
 
     def grid(self, topology: Topology) -> ProcessGrid:
         return ProcessGrid(topology, replicate=self.replicate)
@@ -118,9 +116,6 @@ class ZeRO(Strategy):
     def setup(self, model: nn.Module, optimizer, grid: ProcessGrid, *, init: MetaInit | None = None):
         if optimizer is None:
             raise ConfigError(f"{self.name} shards the optimizer: pass it to setup(model, optimizer, …)")
-        if grid.replicate > 1 and self.stage != 3:
-            raise ConfigError(f"{self.name} under replicate={grid.replicate}: hybrid sharding is built for "
-                              "zero3 only yet")
         device = grid.topology.device
         # hybrid sharding (grid.replicate > 1): shard over the "shard" ranks, all-reduce across "replicate"
         group, replicate = (grid.group("shard")[0], grid.group("replicate")[0]) if grid.replicate > 1 \

@@ -22,6 +22,18 @@ from paratrain.parallel.buckets import Bucket, ReducedSums, Reduction
 from paratrain.parallel.zero.collectives import add_into, reduce_to_owners
 
 
+def across_replicas(reduced: list[torch.Tensor], replicate: Any) -> None:
+    """Hybrid sharding: each of `reduced` (a mean over its shard group) averaged over the
+    replicas too, so it is the mean over every data-parallel rank."""
+    if replicate is None:
+        return
+    works = [dist.all_reduce(t, group=replicate, async_op=True) for t in reduced]
+    copies = dist.get_world_size(replicate)
+    for work, t in zip(works, reduced):
+        work.wait()
+        t.mul_(1.0 / copies)
+
+
 @dataclass
 class OwnerReduction(Reduction):
     """Stage 1: each bucket (one optimizer param group) is all-reduced; rank r steps slice r."""
@@ -34,6 +46,9 @@ class OwnerReduction(Reduction):
     sums: ReducedSums | None = None  # the finite check's sums of whole reductions (collectives.py)
     reducing: list[Bucket] = field(default_factory=list)  # the buckets the works reduce
     backwards: int = 0  # synchronised backwards finished: when the reduced slices last changed
+    # hybrid sharding: the ranks holding the same slices in the other groups of `world` ranks
+    # (stage12.py); each reduced slice is then averaged over them as well
+    replicate: Any = None
     rebuild = False  # the parameters live in the buckets' layout
     unused_advice = ("ZeRO stages 1 and 2 cannot leave a parameter out (the optimizer steps whole "
                      "slices of a bucket: it would apply momentum and weight decay where one process "
@@ -55,6 +70,7 @@ class OwnerReduction(Reduction):
             work.wait()
             if self.sums is not None:
                 self.sums.add(bucket.buffer)
+        across_replicas([b.buffer for b in self.reducing], self.replicate)  # the whole bucket: every .grad is the mean
         self.works.clear()
         self.reducing.clear()
         self.backwards += 1
@@ -100,6 +116,7 @@ class ScatterToOwners(OwnerReduction):
             work.wait()
             if self.sums is not None:  # made only where each reduction is whole
                 self.sums.add(bucket.buffer)
+            across_replicas([mine], self.replicate)
             self.shard_grads[bucket.index] = add_into(self.shard_grads.get(bucket.index), mine)
             for p in bucket.params:
                 p.grad = None

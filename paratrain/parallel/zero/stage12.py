@@ -62,6 +62,11 @@ class ZeroDataParallel(DistributedDataParallel):
     def __init__(self, module: nn.Module, *, reduction: OwnerReduction, collectives: OwnerCollectives,
                  process_group=None, bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
                  param_dtype: torch.dtype | None = None, offload: bool = False):
+        # hybrid sharding (reduction.replicate): `process_group` shards, the replicas hold the same
+        # slices, and all of them are the data-parallel ranks (as stage3.py's replicate_group)
+        self.replicate_group = reduction.replicate
+        if self.replicate_group is not None:  # global rank 0's values in every group, before DDP's own broadcast
+            broadcast_coalesced([*module.parameters(), *module.buffers()], self.replicate_group)
         originals = None
         if param_dtype is not None:  # rank 0's fp32 values everywhere, kept for the masters, then cast
             trainable = [p for p in module.parameters() if p.requires_grad]
@@ -73,6 +78,9 @@ class ZeroDataParallel(DistributedDataParallel):
                          broadcast_buffers=broadcast_buffers, reduction=reduction)
         self._reduction, self.collectives = reduction, collectives
         self.param_dtype, self.offload = param_dtype, offload
+        if self.replicate_group is not None:
+            copies, copy = dist.get_world_size(self.replicate_group), dist.get_rank(self.replicate_group)
+            self.replicas, self.replica_index = self.replicas * copies, copy * self.replicas + self.replica_index
         self.owned = BucketShards(self._buckets.buckets, reduction, collectives, process_group,
                                   param_dtype=param_dtype, offload=offload, originals=originals)
 
@@ -115,7 +123,14 @@ class ZeroDataParallel(DistributedDataParallel):
         data-parallel ranks."""
         return self.owned.grads(), self.process_group or dist.group.WORLD
 
+    def sync_module_buffers(self, src: int = 0) -> None:
+        super().sync_module_buffers(src)
+        if self.replicate_group is not None:  # and the first group's across the replicas
+            broadcast_coalesced(self.modules_buffers, self.replicate_group)
+
     def watch_reductions(self) -> None:
+        if self.replicate_group is not None:  # a sum over one group's reductions: the session reads the slices
+            return
         scatter = getattr(self._reduction, "reduce_scatter", False)  # stage 2's reduce-scatters
         self._reduction.sums = reduced_sums_for(sum(p.numel() for p in self._params), scatter, self.process_group)
 
@@ -214,14 +229,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
 def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int,
                         process_group=None, bucket_cap_mb: float | None = None,
                         broadcast_buffers: bool = True, collectives: OwnerCollectives | None = None,
-                        param_dtype: torch.dtype | None = None, offload: bool = False,
+                        param_dtype: torch.dtype | None = None, offload: bool = False, replicate_group=None,
                         ) -> tuple[ZeroDataParallel, ShardedOptimizer]:
     """Stage 1 or 2 for `model` (on its device) and the optimizer made from its parameters;
-    `param_dtype` and `offload` as [Note: master shards] says."""
+    `param_dtype` and `offload` as [Note: master shards] says. `replicate_group`: hybrid
+    sharding, the ranks holding this rank's slices in the other groups of `process_group`'s
+    size; each reduced slice (stage 1: each whole bucket) is averaged over them too."""
     group_of = param_groups_of(model, optimizer)
     collectives = collectives or OwnerCollectives.for_group(process_group)
     where = dict(group=process_group, rank=dist.get_rank(process_group),
-                 world=dist.get_world_size(process_group), group_of=group_of)
+                 world=dist.get_world_size(process_group), group_of=group_of, replicate=replicate_group)
     reduction = OwnerReduction(**where) if stage == 1 else \
         ScatterToOwners(**where, reduce_scatter=collectives.reduce_scatter)
     wrapped = ZeroDataParallel(model, reduction=reduction, collectives=collectives, process_group=process_group,

@@ -172,7 +172,7 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
         raise ConfigError(f"the planner knows the optimizers {', '.join(OPTIMIZERS)}; got {optimizer!r}")
     if getattr(strategy, "replicate", 1) > 1:
         raise ConfigError("the planner does not plan hybrid sharding (replicate=) yet: plan replicate=1, whose "
-                          "memory per rank is that of ZeRO-3 over world / replicate ranks")
+                          "memory per rank is that of ZeRO over world / replicate ranks")
     state = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
     if world < 1 or accumulate < 1:
         raise ConfigError(f"world and accumulate must be at least 1; got world {world}, accumulate {accumulate}")

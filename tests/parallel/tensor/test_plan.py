@@ -70,7 +70,7 @@ def test_a_model_without_a_plan_is_told_how_to_give_one():
 
 
 def test_mesh_refuses_what_it_does_not_compose_yet():
-    with pytest.raises(pt.ConfigError, match=r"it takes dp='zero3' \(got 'ddp'\)"):
+    with pytest.raises(pt.ConfigError, match=r"it takes dp='zero1', 'zero2' or 'zero3' \(got 'ddp'\)"):
         pt.Mesh(tp=2, replicate=2)
     for kwargs in (dict(tp=1), dict(tp=2, cp=2), dict(tp=2, pp=pt.Pipeline(stages=2))):
         with pytest.raises(pt.ConfigError, match=r"needs tp > 1, and does not compose with pp or cp yet"):

@@ -1,4 +1,4 @@
-"""Hybrid sharding (`pt.ZeRO(stage=3, replicate=R)`, `pt.Mesh(dp="zero3", replicate=R)`): ZeRO-3
+"""Hybrid sharding (`pt.ZeRO(stage=S, replicate=R)`, `pt.Mesh(dp="zeroS", replicate=R)`): ZeRO
 within groups of world / R ranks, each gradient slice all-reduced across the R groups, proved
 against one process on the same global batches, with every replica's shards equal."""
 
@@ -19,12 +19,12 @@ from tests.support.models import make_batches, make_model, make_optimizer, refer
 STEPS, GLOBAL_BATCH = 3, 16
 
 
-def _hybrid(topo, name, optim, replicate, accumulate, forced):
-    """ZeRO-3 of `name` over the grid's "shard" groups, replicated over its "replicate" ones."""
+def _hybrid(topo, name, optim, replicate, accumulate, forced, stage=3):
+    """ZeRO `stage` of `name` over the grid's "shard" groups, replicated over its "replicate" ones."""
     topo = topo.init(timeout=60)
     grid = ProcessGrid(topo, replicate=replicate)
     model = make_model(name)
-    model, opt = pt.shard(model, make_optimizer(optim, model.parameters()), stage=3,
+    model, opt = pt.shard(model, make_optimizer(optim, model.parameters()), stage=stage,
                           wrap_policy=pt.WrapPolicy(module_classes=(torch.nn.Linear,)),
                           process_group=grid.group("shard")[0], replicate_group=grid.group("replicate")[0],
                           collectives=OwnerCollectives(reduce_scatter=True, all_gather=True) if forced else None)
@@ -36,14 +36,16 @@ def _hybrid(topo, name, optim, replicate, accumulate, forced):
     return state, shards, grid.ranks("replicate")
 
 
-CASES = [("mlp", "adam", 2, 1, False), ("tied", "sgd", 2, 2, False), ("bn", "adam", 2, 1, False),
-         ("tied", "adam", 2, 1, True), ("mlp", "sgd", 4, 1, False)]  # replicate 4: shards of one rank
+CASES = [("mlp", "adam", 2, 1, False, 3), ("tied", "sgd", 2, 2, False, 3), ("bn", "adam", 2, 1, False, 3),
+         ("tied", "adam", 2, 1, True, 3), ("mlp", "sgd", 4, 1, False, 3),  # replicate 4: shards of one rank
+         ("bn", "adam", 2, 1, False, 2), ("tied", "sgd", 2, 2, True, 2), ("mlp", "adam", 2, 2, False, 1),
+         ("tied", "adam", 4, 1, False, 1)]
 
 
-@pytest.mark.parametrize("name,optim,replicate,accumulate,forced", CASES)
+@pytest.mark.parametrize("name,optim,replicate,accumulate,forced,stage", CASES)
 def test_hybrid_sharding_matches_one_process_and_its_replicas_hold_equal_shards(name, optim, replicate, accumulate,
-                                                                               forced):
-    ours = run_on_ranks(_hybrid, 4, name, optim, replicate, accumulate, forced)
+                                                                               forced, stage):
+    ours = run_on_ranks(_hybrid, 4, name, optim, replicate, accumulate, forced, stage)
     ref = reference(name, optim, world=4, accumulate=accumulate, steps=STEPS, global_batch=GLOBAL_BATCH)
     for state, _, _ in ours:
         assert_same_params({k: state[k] for k in ref}, ref, atol=1e-6)
@@ -83,11 +85,12 @@ def chain(topo, runs):
     return out
 
 
-def test_a_hybrid_checkpoint_loads_into_ddp_and_back_and_training_goes_on_as_without_stopping(tmp_path):
+@pytest.mark.parametrize("stage", [3, 2])
+def test_a_hybrid_checkpoint_loads_into_ddp_and_back_and_training_goes_on_as_without_stopping(tmp_path, stage):
     """Saved by replicate 2 × shard 2 (BatchNorm statistics included), loaded by DDP at 4 and by
     one process; DDP's checkpoint loaded back by hybrid sharding; each then trains on exactly as
     the uninterrupted hybrid run."""
-    hybrid, saved, again = pt.ZeRO(stage=3, replicate=2), str(tmp_path / "hybrid"), str(tmp_path / "ddp")
+    hybrid, saved, again = pt.ZeRO(stage=stage, replicate=2), str(tmp_path / "hybrid"), str(tmp_path / "ddp")
     runs = [(hybrid, dict(save=saved, steps=2)), ("ddp", dict(load=saved, save=again, steps=0)),
             (hybrid, dict(load=again, steps=2)), (hybrid, dict(steps=4))]
     first, ddp, resumed, straight = run_on_ranks(chain, 4, runs, timeout=300)[0]
@@ -97,8 +100,8 @@ def test_a_hybrid_checkpoint_loads_into_ddp_and_back_and_training_goes_on_as_wit
     assert_same_params(resumed[0], straight[0], atol=1e-6)
 
 
-def mesh_replicas(topo):
-    with pt.Session(pt.Mesh(dp="zero3", replicate=2), topology=topo, progress_bar=False) as session:
+def mesh_replicas(topo, dp="zero3"):
+    with pt.Session(pt.Mesh(dp=dp, replicate=2), topology=topo, progress_bar=False) as session:
         model = make_model("mlp")
         model, _, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                          DataLoader(data(), batch_size=8))
@@ -106,11 +109,12 @@ def mesh_replicas(topo):
 
 
 def test_mesh_replicate_reads_a_quarter_of_the_data_on_each_of_four_ranks_and_refuses_what_it_lacks():
-    assert sorted(run_on_ranks(mesh_replicas, 4)) == [(4, r, 6) for r in range(4)]
-    for kwargs, words in [(dict(dp="zero2", replicate=2), r"it takes dp='zero3' \(got 'zero2'\)"),
+    for dp in ("zero3", "zero1"):
+        assert sorted(run_on_ranks(mesh_replicas, 4, dp)) == [(4, r, 6) for r in range(4)]
+    for kwargs, words in [(dict(dp="ddp", replicate=2), r"it takes dp='zero1', 'zero2' or 'zero3' \(got 'ddp'\)"),
                           (dict(dp="zero3", replicate=2, cp=2), "does not compose with pp or cp yet"),
                           (dict(dp="zero3", replicate=0), "a positive integer; got 0")]:
         with pytest.raises(pt.ConfigError, match=words):
             pt.Mesh(**kwargs)
-    with pytest.raises(pt.ConfigError, match=r"hybrid sharding is built for stage 3 only yet"):
-        pt.ZeRO(stage=2, replicate=2)
+    with pytest.raises(pt.ConfigError, match=r"ZeRO\(replicate=...\) is the number of groups"):
+        pt.ZeRO(stage=2, replicate=0)
