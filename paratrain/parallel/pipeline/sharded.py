@@ -27,7 +27,7 @@ from paratrain.parallel.base import FlatLayout
 from paratrain.parallel.grad_sync import GradSync
 from paratrain.parallel.zero.bucket_shards import BucketShards
 from paratrain.parallel.zero.collectives import OwnerCollectives
-from paratrain.parallel.zero.owner_reduction import OwnerReduction, ScatterToOwners
+from paratrain.parallel.zero.owner_reduction import owner_reduction
 
 
 class ShardedReplicas:
@@ -43,8 +43,7 @@ class ShardedReplicas:
         self.syncs: list[GradSync] = []
         self.owned: list[BucketShards] = []
         for params in chunk_params:
-            reduction = OwnerReduction(**where) if stage == 1 else \
-                ScatterToOwners(**where, reduce_scatter=self.collectives.reduce_scatter)
+            reduction = owner_reduction(stage, self.collectives.reduce_scatter, **where)
             sync = GradSync([p for p in params if p.requires_grad], names, group, reduction=reduction, caps=caps,
                             find_unused=False, finish_in_backward=False)
             self.syncs.append(sync)

@@ -34,6 +34,12 @@ def across_replicas(reduced: list[torch.Tensor], replicate: Any) -> None:
         t.mul_(1.0 / copies)
 
 
+def owner_reduction(stage: int, reduce_scatter: bool, **where: Any) -> "OwnerReduction":
+    """Stage 1's or stage 2's reduction; `where`: OwnerReduction's group, rank, world, group_of
+    and replicate."""
+    return OwnerReduction(**where) if stage == 1 else ScatterToOwners(**where, reduce_scatter=reduce_scatter)
+
+
 @dataclass
 class OwnerReduction(Reduction):
     """Stage 1: each bucket (one optimizer param group) is all-reduced; rank r steps slice r."""

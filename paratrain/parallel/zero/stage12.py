@@ -42,7 +42,7 @@ from paratrain.parallel.ddp import DistributedDataParallel
 from paratrain.parallel.zero.bucket_shards import BucketShards
 from paratrain.parallel.zero.collectives import OwnerCollectives, reduced_sums_for
 from paratrain.parallel.zero.optim import param_groups_of
-from paratrain.parallel.zero.owner_reduction import OwnerReduction, ScatterToOwners
+from paratrain.parallel.zero.owner_reduction import OwnerReduction, owner_reduction
 
 
 class ZeroDataParallel(DistributedDataParallel):
@@ -65,7 +65,7 @@ class ZeroDataParallel(DistributedDataParallel):
         # hybrid sharding (reduction.replicate): `process_group` shards, the replicas hold the same
         # slices, and all of them are the data-parallel ranks (as stage3.py's replicate_group)
         self.replicate_group = reduction.replicate
-        if self.replicate_group is not None:  # global rank 0's values in every group, before DDP's own broadcast
+        if self.replicate_group is not None:  # every group starts from global rank 0's values
             broadcast_coalesced([*module.parameters(), *module.buffers()], self.replicate_group)
         originals = None
         if param_dtype is not None:  # rank 0's fp32 values everywhere, kept for the masters, then cast
@@ -239,8 +239,7 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, *, s
     collectives = collectives or OwnerCollectives.for_group(process_group)
     where = dict(group=process_group, rank=dist.get_rank(process_group),
                  world=dist.get_world_size(process_group), group_of=group_of, replicate=replicate_group)
-    reduction = OwnerReduction(**where) if stage == 1 else \
-        ScatterToOwners(**where, reduce_scatter=collectives.reduce_scatter)
+    reduction = owner_reduction(stage, collectives.reduce_scatter, **where)
     wrapped = ZeroDataParallel(model, reduction=reduction, collectives=collectives, process_group=process_group,
                                bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
                                param_dtype=param_dtype, offload=offload)
