@@ -103,7 +103,8 @@ class Ours:
 
     def __init__(self, topo, schedule: str, m: int, virtual: int = 1):
         strategy = Pipeline(stages=STAGES, schedule=schedule, microbatches=m, virtual=virtual)
-        self.stage, _ = strategy.setup(model(), None, strategy.grid(topo))
+        self.grid = strategy.grid(topo)
+        self.stage, _ = strategy.setup(model(), None, self.grid)
         self.module = self.stage.module
         self.opt = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=0.9)
 
@@ -166,10 +167,10 @@ def build_schedules(topo, m: int) -> dict:
 class TorchReplicated(Torch):
     """torch's 1F1B over a torch DDP of this stage, whose replicas are the `dp_group`."""
 
-    def __init__(self, topo, m: int, pp_group, dp_group):
+    def __init__(self, stage: int, m: int, pp_group, dp_group):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        self.index = topo.rank % STAGES
+        self.index = stage
         self.module = copy.deepcopy(split_model(model(), STAGES)[self.index])
         ddp = torch.nn.parallel.DistributedDataParallel(self.module, process_group=dp_group)
         stage = PipelineStage(ddp, self.index, STAGES, torch.device("cpu"), group=pp_group)
@@ -178,12 +179,13 @@ class TorchReplicated(Torch):
 
 
 def build_replicated(topo, m: int) -> dict:
-    """Ours and torch's 1F1B on 2 stages × 2 replicas; torch's groups made as our grid's are."""
-    lines = torch.arange(topo.world_size).view(-1, STAGES)
-    pp = {tuple(r): dist.new_group(r) for r in lines.tolist()}
-    dp = {tuple(c): dist.new_group(c) for c in lines.t().tolist()}
+    """Ours and torch's 1F1B on 2 stages × 2 replicas; torch's groups are our grid's lines."""
+    ours = Ours(topo, "1f1b", m)
+    grid = ours.grid
+    pp = {tuple(r): dist.new_group(r) for r in grid.lines("pp")}
+    dp = {tuple(r): dist.new_group(r) for r in grid.lines("dp")}
     mine = lambda groups: next(g for ranks, g in groups.items() if topo.rank in ranks)  # noqa: E731
-    return {"ours-1f1b": Ours(topo, "1f1b", m), "torch-1f1b": TorchReplicated(topo, m, mine(pp), mine(dp))}
+    return {"ours-1f1b": ours, "torch-1f1b": TorchReplicated(grid.stage, m, mine(pp), mine(dp))}
 
 
 _MASKS: dict[int, torch.Tensor] = {}
@@ -230,8 +232,8 @@ class TorchGPT(Torch):
 
         self.index = topo.rank
         part = copy.deepcopy(make_model("transformer"))
-        run = prune(part, GPT_CUT, (0, 4) if self.index == 0 else (4, 7), first=self.index == 0,
-                    last=self.index == STAGES - 1)
+        run, = prune(part, GPT_CUT, [(0, 4) if self.index == 0 else (4, 7)], first=self.index == 0,
+                     last=self.index == STAGES - 1)
         self.module = part
         stage = PipelineStage(_Run(part, run), self.index, STAGES, torch.device("cpu"), group=group)
         self.schedule = Schedule1F1B(stage, m, loss_fn=loss_of_logits)
@@ -305,9 +307,9 @@ def speed_schedules(topo, m: int, batch: int, warmup: int, rounds: int, steps: i
 def speed_replicated(topo, m: int, batch: int, warmup: int, rounds: int, steps: int) -> dict:
     """Phase 3: as phase 2, 2 stages × 2 replicas, each replica on its half of the batch."""
     x, y = batch_of(batch)
-    replicas, index = topo.world_size // STAGES, topo.rank // STAGES
-    return timed(build_replicated(topo, m), x.chunk(replicas)[index], y.chunk(replicas)[index],
-                 warmup, rounds, steps)
+    impls = build_replicated(topo, m)
+    grid = impls["ours-1f1b"].grid
+    return timed(impls, x.chunk(grid.dp)[grid.replica], y.chunk(grid.dp)[grid.replica], warmup, rounds, steps)
 
 
 def timed(impls: dict, x, y, warmup: int, rounds: int, steps: int) -> dict:
