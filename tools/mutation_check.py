@@ -100,6 +100,13 @@ MUTANTS = [
     Mutant("hsdp12-slices-not-averaged-across-replicas", "hybrid ZeRO-2 keeps each group's own gradient slices",
            (("            across_replicas([mine], self.replicate)\n", ""),),
            ("tests/parallel/zero/test_hybrid.py",)),
+    Mutant("hsdp12-buffers-stay-in-their-group", "hybrid ZeRO-1/2 broadcasts buffers within each group only",
+           (("        if self.replicate_group is not None:  # and the first group's across the replicas\n"
+             "            broadcast_coalesced(self.modules_buffers, self.replicate_group)\n", ""),),
+           ("tests/parallel/zero/test_hybrid.py",)),
+    Mutant("pp-zero-norm-over-one-replica", "a sharded pipeline clips by the norm of one replica's slices",
+           (("            return self.sharded.grads(), self.holders", "            return self.sharded.grads(), self.pipe_group"),),
+           ("tests/parallel/pipeline/test_pipeline_zero.py",)),
     Mutant("pp-zero-no-gather", "a sharded pipeline's replicas never receive each other's updated slices",
            (("        for owned in self.owned:\n            owned.gather()", "        pass"),),
            ("tests/parallel/pipeline/test_pipeline_zero.py",)),

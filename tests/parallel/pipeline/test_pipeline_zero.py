@@ -56,15 +56,16 @@ def _reference(accumulate, clip):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            # the clip must bind on every step, or a norm summed over too few ranks goes unseen
+            assert torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > clip
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return model.state_dict(), losses
 
 
-SETTINGS = [("ddp", "1f1b", 2, 1, 0.5), ("zero1", "1f1b", 3, 1, None), ("zero2", "1f1b", 4, 1, 0.5), ("zero1", "gpipe", 2, 2, 0.5),
-            ("zero2", "interleaved-1f1b", 2, 2, 0.5), ("zero1", "zb-h1", 4, 1, 0.5), ("zero2", "zb-h1", 2, 2, None)]
+SETTINGS = [("ddp", "1f1b", 2, 1, 0.1), ("zero1", "1f1b", 3, 1, None), ("zero2", "1f1b", 4, 1, 0.1), ("zero1", "gpipe", 2, 2, 0.1),
+            ("zero2", "interleaved-1f1b", 2, 2, 0.1), ("zero1", "zb-h1", 4, 1, 0.1), ("zero2", "zb-h1", 2, 2, None)]
 
 
 @pytest.fixture(scope="module")

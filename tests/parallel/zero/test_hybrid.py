@@ -32,8 +32,12 @@ def _hybrid(topo, name, optim, replicate, accumulate, forced, stage=3):
     train_on_rank(topo, model, opt, steps=STEPS, global_batch=GLOBAL_BATCH, accumulate=accumulate)
     state = pt.full_state_dict(model)
     shards = [s.detach().clone() for s in model.shards]
+    # one forward of the same rows everywhere: it starts from the buffers every rank was given
+    # (DDP's rule, across the groups too) and moves them alike, so they end equal on every rank
+    model(make_batches(1, 8, seed=11)[0][0])
+    buffers = [b.clone() for b in model.modules_buffers]
     pt.destroy()
-    return state, shards, grid.ranks("replicate")
+    return state, shards, grid.ranks("replicate"), buffers
 
 
 CASES = [("mlp", "adam", 2, 1, False, 3), ("tied", "sgd", 2, 2, False, 3), ("bn", "adam", 2, 1, False, 3),
@@ -47,11 +51,12 @@ def test_hybrid_sharding_matches_one_process_and_its_replicas_hold_equal_shards(
                                                                                forced, stage):
     ours = run_on_ranks(_hybrid, 4, name, optim, replicate, accumulate, forced, stage)
     ref = reference(name, optim, world=4, accumulate=accumulate, steps=STEPS, global_batch=GLOBAL_BATCH)
-    for state, _, _ in ours:
+    for state, _, _, _ in ours:
         assert_same_params({k: state[k] for k in ref}, ref, atol=1e-6)
-    for rank, (_, shards, replicas) in enumerate(ours):
+    for rank, (_, shards, replicas, buffers) in enumerate(ours):
         for other in replicas:  # the ranks holding this rank's shards in the other groups
             assert all(torch.equal(a, b) for a, b in zip(shards, ours[other][1])), (rank, other)
+        assert all(torch.equal(a, b) for a, b in zip(buffers, ours[0][3])), rank
 
 
 def data():
