@@ -170,10 +170,11 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     """
     if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
         raise ConfigError(f"the planner knows the optimizers {', '.join(OPTIMIZERS)}; got {optimizer!r}")
-    if getattr(strategy, "replicate", 1) > 1:
-        raise ConfigError("the planner does not plan hybrid sharding (replicate=) yet: plan replicate=1, whose "
-                          "memory per rank is that of ZeRO over world / replicate ranks")
     state = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+    if isinstance(strategy, ZeRO) and strategy.replicate > 1:
+        return _hybrid(model, strategy, world, optimizer=state, local_world=local_world,
+                       activation_bytes=activation_bytes, group_of=group_of, arrival=arrival, foreach=foreach,
+                       accumulate=accumulate, step=step, weight_copy_rate=weight_copy_rate)
     if world < 1 or accumulate < 1:
         raise ConfigError(f"world and accumulate must be at least 1; got world {world}, accumulate {accumulate}")
     held = trainable(model)
@@ -200,6 +201,20 @@ def predict(model: nn.Module, strategy: Strategy, *, world: int, optimizer: Opti
     else:
         raise ConfigError(f"no memory model for strategy {strategy.name!r}")
     return [one] * world
+
+
+def _hybrid(model: nn.Module, strategy: ZeRO, world: int, *, activation_bytes: int, **rest) -> list[RankMemory]:
+    """Hybrid sharding: each of the `replicate` groups holds what ZeRO over world / replicate ranks
+    holds (the all-reduce across the groups works in place on the reduced slices, stage12.py and
+    stage3.py), while the batch is split over every rank, so each rank's activations are
+    1/world of the batch's. Rank r is shard rank r mod (world / replicate) (distributed/grid.py)."""
+    if world % strategy.replicate:
+        raise ConfigError(f"ZeRO(replicate={strategy.replicate}) needs groups of equal size: it does not divide "
+                          f"the world size {world}")
+    shard = world // strategy.replicate
+    ranks = predict(model, dataclasses.replace(strategy, replicate=1), world=shard,
+                    activation_bytes=activation_bytes // strategy.replicate, **rest)
+    return [ranks[r % shard] for r in range(world)]
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,9 @@ def _strategies(world: int) -> dict[str, pt.Strategy]:
         for stage in (1, 2):
             cases[f"pipeline-zero{stage}"] = pt.Mesh(pp=pt.Pipeline(stages=2, microbatches=2),
                                                      dp=pt.ZeRO(stage=stage, bucket_cap_mb=TINY))
+        # hybrid sharding: 2 groups of 2 that each shard as ZeRO over 2 ranks does
+        cases.update({f"zero{stage}-hybrid": pt.ZeRO(stage=stage, bucket_cap_mb=TINY, replicate=2) for stage in (1, 2)})
+        cases["zero3-hybrid"] = pt.ZeRO(stage=3, wrap_policy=UNITS, replicate=2)
     if world % 2:
         del cases["pipeline"], cases["hierarchical"]
     return cases

@@ -82,8 +82,12 @@ def test_sequence_parallelism_cuts_a_ranks_activations_to_one_tp_th_and_hybrid_s
     assert held(sequence_parallel=True) / held() == pytest.approx((1 / 4) / ((10 + 24 / 4) / 34), rel=1e-6)
     assert tensor_parallel.activation_fraction(4, True, checkpointed=True) == 1 / 4
     assert tensor_parallel.activation_fraction(4, False, checkpointed=True) == 1.0
-    with pytest.raises(pt.ConfigError, match="does not plan hybrid sharding"):
-        predict(model, pt.ZeRO(stage=3, replicate=2), world=8)
+    # hybrid sharding: a group's shards are those of ZeRO over 4 ranks, the activations 1/8 of the batch's
+    hybrid = predict(model, pt.ZeRO(stage=3, replicate=2), world=8, activation_bytes=activations)
+    (alone,) = {r for r in predict(model, pt.ZeRO(stage=3), world=4, activation_bytes=activations // 2)}
+    assert len(hybrid) == 8 and set(hybrid) == {alone}
+    with pytest.raises(pt.ConfigError, match="does not divide the world size 8"):
+        predict(model, pt.ZeRO(stage=3, replicate=3), world=8)
 
 
 def test_a_strategy_with_more_replicas_than_samples_is_not_planned(planned):
