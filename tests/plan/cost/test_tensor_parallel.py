@@ -68,7 +68,7 @@ def test_a_model_whose_layers_fit_nowhere_else_is_recommended_tensor_parallel(pl
     assert best is not None and best["session"].startswith("pt.Session(pt.Mesh(tp=")
 
 
-def test_sequence_parallelism_cuts_a_ranks_activations_to_one_tp_th_and_hybrid_sharding_is_refused(planned):
+def test_sequence_parallelism_cuts_a_ranks_activations_to_one_tp_th_and_hybrid_sharding_shards_per_group(planned):
     """Korthikanti et al. 2022, Table 2: (10 + 24/t)/34 of a replica's activations per rank under
     tensor parallelism, 1/t with sequence parallelism as well (checkpointed or not)."""
     from paratrain.plan.cost.memory import predict
